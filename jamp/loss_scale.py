@@ -1,0 +1,702 @@
+"""Loss scaling as optax gradient transformations.
+
+Half-precision (float16) gradients underflow: small values flush to zero. Loss
+scaling multiplies the loss by a large factor ``S`` before differentiation, so
+the gradients are ``S`` times larger and stay representable, then divides them
+by ``S`` again before the optimizer sees them. If ``S`` is too large the
+gradients overflow to inf/NaN; the step must then be skipped and ``S`` lowered.
+
+This module provides three transformations that share one state type and one
+set of helpers, so every precision mode maps to exactly one transformation:
+
+* :func:`DynamicLossScale` -- the scale adapts: it backs off on overflow and
+  grows after ``growth_interval`` finite steps. With ``hysteresis=1`` the rule
+  is identical to ``torch.amp.GradScaler``; with ``hysteresis > 1`` it is
+  Megatron-LM's ``DynamicGradScaler``.
+* :func:`StaticLossScale` -- a fixed scale; still unscales, checks and skips.
+* :func:`NoOpLossScale` -- scale 1, no check, a pure pass-through (bfloat16 and
+  float32 training), so the same training step works for every mode.
+
+Typical use wraps the whole optimizer, like ``optax.MultiSteps`` or
+``optax.apply_if_finite`` do::
+
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
+  tx = DynamicLossScale(tx, init_scale=2.**16, growth_interval=2000)
+  opt_state = tx.init(params)
+
+  def step(params, opt_state, batch):
+    grads = jax.grad(lambda p: scale_loss(loss_fn(p, batch), opt_state))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)  # unscale, check, skip
+    return optax.apply_updates(params, updates), opt_state
+
+Wrapped form (``inner`` given, recommended)
+  ``update`` receives the gradients of the *scaled* loss (float16, bfloat16 or
+  float32), casts them to float32, multiplies by ``1/scale``, checks that all
+  are finite and then either calls ``inner.update`` with the unscaled
+  gradients (so clipping inside ``inner`` sees true gradient norms), or, on
+  overflow, returns zero updates and leaves ``inner``'s state bit-identical:
+  Adam's moments and step count do not move.
+
+Bare form (``inner=None``, a link at the head of a chain)
+  ``update`` returns the unscaled float32 gradients, or zeros on overflow. The
+  links after it are *not* skipped: they receive zero gradients and update
+  their state as for any other step. ``optax.adam`` after it counts the step,
+  decays both moments by ``b1``/``b2`` and, through its first moment, still
+  emits a non-zero update, so the parameters move on an overflow step;
+  schedules advance. Use the wrapped form unless the links after this one are
+  stateless (e.g. ``optax.sgd`` without momentum).
+
+How the skip is implemented
+  ``inner.update`` is evaluated on every step and its results are chosen with
+  an element-wise ``select`` on the all-finite flag (``jnp.where`` over the
+  updates and the state trees). A skipped step yields the old state leaves
+  bit-for-bit. XLA fuses the select into the optimizer's own element-wise
+  kernels, so the select is nearly free; ``lax.cond`` would save the optimizer
+  arithmetic on the rare skipped steps but splits fusions on every step and
+  measured slower on CPU (see ``benchmarks/loss_scale_overhead.py``).
+
+Gradient accumulation
+  Put the loss scale *outside* ``optax.MultiSteps``::
+
+    tx = DynamicLossScale(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=4))
+
+  Each micro-step's gradients are then unscaled and checked before they enter
+  the accumulator; a non-finite micro-batch is dropped (``MultiSteps``' state,
+  including its micro-step counter and accumulator, is left untouched) and the
+  scale backs off before the next micro-batch. The accumulated update is the
+  mean of unscaled gradients. The inside placement,
+  ``MultiSteps(DynamicLossScale(adamw), k)``, is wrong: ``MultiSteps`` would
+  average the *scaled* gradients of micro-batches whose scale may have changed
+  in between (the scale changes mid-accumulation, mixing gradients scaled by
+  different factors), a single inf micro-batch poisons the whole accumulated
+  gradient, and the scale only adapts once every ``k`` micro-steps.
+
+Sharding
+  Under plain ``jax.jit`` with globally sharded arrays the all-finite check is a
+  global reduction already (XLA inserts the cross-device collectives), so every
+  device takes the same decision; leave ``axis_names`` empty. Inside
+  ``jax.shard_map`` each shard only sees its local block: pass the mesh axes
+  the gradients are split over as ``axis_names`` and the local non-finite count
+  is ``jax.lax.psum``-med over them, so every shard skips together and holds
+  the same scale.
+
+Checkpointing
+  Everything that changes (scale, trackers, counters) is in the
+  :class:`LossScaleState` NamedTuple, so it jits, checkpoints and restores
+  exactly, including mid growth interval. The hyper-parameters (factors,
+  interval, bounds) are closed over by the transformation and never stored in
+  the state, so a pytree round trip cannot lose them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScaleDivergedError",
+    "LossScaleState",
+    "NoOpLossScale",
+    "OverflowStats",
+    "StaticLossScale",
+    "all_finite",
+    "check_divergence",
+    "loss_scale",
+    "overflow_stats",
+    "scale_loss",
+]
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+class LossScaleState(NamedTuple):
+    """State of :func:`DynamicLossScale`, :func:`StaticLossScale`, :func:`NoOpLossScale`.
+
+    Attributes:
+      scale: float32 scalar, the current loss scale.
+      growth_tracker: int32, consecutive finite steps since the last growth,
+        back-off or overflow (torch's ``_growth_tracker``).
+      hysteresis_tracker: int32, overflows still tolerated before backing off
+        (Megatron's ``_hysteresis_tracker``); reset to ``hysteresis`` on growth.
+      steps_skipped: int32, total number of skipped (non-finite) steps.
+      consecutive_overflows: int32, non-finite steps in a row up to now.
+      last_finite: bool, whether the last step's gradients were all finite.
+      min_scale_overflows: int32, consecutive non-finite steps taken while the
+        scale was already at ``min_scale`` (backing off could not help).
+      diverged: bool, ``min_scale_overflows >= divergence_steps``.
+      inner_state: state of the wrapped transformation (``optax.EmptyState()``
+        in the bare form).
+    """
+
+    scale: jax.Array
+    growth_tracker: jax.Array
+    hysteresis_tracker: jax.Array
+    steps_skipped: jax.Array
+    consecutive_overflows: jax.Array
+    last_finite: jax.Array
+    min_scale_overflows: jax.Array
+    diverged: jax.Array
+    inner_state: optax.OptState
+
+
+class OverflowStats(NamedTuple):
+    """Overflow statistics read from a loss-scale state by :func:`overflow_stats`.
+
+    Attributes:
+      steps_skipped: int32, total number of skipped steps.
+      consecutive_overflows: int32, non-finite steps in a row up to now.
+      last_finite: bool, whether the last step's gradients were all finite.
+      diverged: bool, the scale sat at ``min_scale`` and overflowed for
+        ``divergence_steps`` consecutive steps.
+    """
+
+    steps_skipped: jax.Array
+    consecutive_overflows: jax.Array
+    last_finite: jax.Array
+    diverged: jax.Array
+
+
+class LossScaleDivergedError(RuntimeError):
+    """Raised by :func:`check_divergence` when training keeps overflowing at ``min_scale``."""
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_scale_value(name: str, value: float) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive float, got {value!r}.") from None
+    if not math.isfinite(value) or value <= 0.0 or value > _F32_MAX:
+        raise ValueError(
+            f"{name} must be a finite positive float32 value, got {value!r}; "
+            f"use a power of two such as 2.**16."
+        )
+    if np.float32(value) == 0.0:
+        raise ValueError(f"{name}={value!r} underflows to 0 in float32; use a value >= 2.**-126.")
+    return value
+
+
+def _check_int(name: str, value: Any, minimum: int, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}; {hint}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}; {hint}.")
+    return int(value)
+
+
+def _normalize_axis_names(axis_names: str | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(axis_names, str):
+        return (axis_names,)
+    try:
+        names = tuple(axis_names)
+    except TypeError:
+        raise ValueError(
+            f"axis_names must be a mesh axis name or a sequence of them, got {axis_names!r}; "
+            "e.g. axis_names=('data', 'model')."
+        ) from None
+    return names
+
+
+def _as_extra_args(inner: Any) -> optax.GradientTransformationExtraArgs:
+    # optax.MultiSteps is a class with init/update but not a GradientTransformation.
+    if isinstance(inner, optax.MultiSteps):
+        return inner.gradient_transformation()
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise ValueError(
+            f"inner must be an optax.GradientTransformation (or None), got {type(inner).__name__}; "
+            "e.g. DynamicLossScale(optax.adamw(1e-3))."
+        )
+    if not isinstance(inner, optax.GradientTransformation):
+        inner = optax.GradientTransformation(inner.init, inner.update)
+    return optax.with_extra_args_support(inner)
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+def all_finite(tree: Any, axis_names: str | Sequence[str] = ()) -> jax.Array:
+    """Whether every floating-point leaf of ``tree`` is finite.
+
+    The non-finite elements are counted locally (one int32 count per leaf,
+    summed) and the count is ``jax.lax.psum``-med over ``axis_names``, so inside
+    ``jax.shard_map`` every shard gets the same answer. Under plain ``jax.jit``
+    the reduction over a globally sharded array is already global. Integer
+    leaves are ignored.
+
+    Args:
+      tree: a pytree of arrays.
+      axis_names: mesh axis names to reduce over (only inside ``shard_map``).
+
+    Returns:
+      A boolean scalar array.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> bool(all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+      False
+    """
+    axis_names = _normalize_axis_names(axis_names)
+    leaves = [
+        x
+        for x in jax.tree_util.tree_leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    count = jnp.zeros((), jnp.int32)
+    for x in leaves:
+        count = count + jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
+    if axis_names:
+        count = jax.lax.psum(count, axis_names)
+    return count == 0
+
+
+def _unscale(tree: Any, inv_scale: jax.Array) -> Any:
+    """Casts floating leaves to (at least) float32 and multiplies by ``inv_scale``."""
+
+    def one(g):
+        if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
+            return g
+        dtype = jnp.promote_types(jnp.result_type(g), jnp.float32)
+        return jnp.asarray(g, dtype) * inv_scale.astype(dtype)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """``where(pred, a, b)`` over two trees of the same structure (exact, no promotion)."""
+
+    def one(a, b):
+        a = jnp.asarray(a)
+        return jax.lax.select(pred, a, jnp.asarray(b, a.dtype))
+
+    return jax.tree_util.tree_map(one, on_true, on_false)
+
+
+def _zero_on_overflow(pred: jax.Array, tree: Any) -> Any:
+    def one(x):
+        x = jnp.asarray(x)
+        return jax.lax.select(pred, x, jnp.zeros_like(x))
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+# --------------------------------------------------------------------------- core
+
+
+def _init_state(init_scale: float, hysteresis: int, inner_state: Any) -> LossScaleState:
+    return LossScaleState(
+        scale=jnp.asarray(init_scale, jnp.float32),
+        growth_tracker=jnp.zeros((), jnp.int32),
+        hysteresis_tracker=jnp.asarray(hysteresis, jnp.int32),
+        steps_skipped=jnp.zeros((), jnp.int32),
+        consecutive_overflows=jnp.zeros((), jnp.int32),
+        last_finite=jnp.asarray(True),
+        min_scale_overflows=jnp.zeros((), jnp.int32),
+        diverged=jnp.asarray(False),
+        inner_state=inner_state,
+    )
+
+
+def _build(
+    inner: Any,
+    *,
+    init_scale: float,
+    check: bool,
+    dynamic: bool,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 1,
+    hysteresis: int = 1,
+    min_scale: float = 1.0,
+    max_scale: float = _F32_MAX,
+    axis_names: tuple[str, ...] = (),
+    divergence_steps: int = 50,
+) -> optax.GradientTransformationExtraArgs:
+    """Shared implementation of the three loss-scale transformations."""
+    inner_tx = None if inner is None else _as_extra_args(inner)
+
+    def init_fn(params):
+        inner_state = optax.EmptyState() if inner_tx is None else inner_tx.init(params)
+        return _init_state(init_scale, hysteresis, inner_state)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        scale = jnp.asarray(state.scale, jnp.float32)
+        grads = _unscale(updates, 1.0 / scale)
+        finite = all_finite(grads, axis_names) if check else jnp.asarray(True)
+
+        if inner_tx is None:
+            new_updates = _zero_on_overflow(finite, grads) if check else grads
+            new_inner = state.inner_state
+        else:
+            new_updates, new_inner = inner_tx.update(grads, state.inner_state, params, **extra_args)
+            if check:
+                new_updates = _zero_on_overflow(finite, new_updates)
+                new_inner = _select(finite, new_inner, state.inner_state)
+
+        if not check:
+            return new_updates, state._replace(inner_state=new_inner)
+
+        overflow = ~finite
+        one = jnp.ones((), jnp.int32)
+        zero = jnp.zeros((), jnp.int32)
+        if dynamic:
+            # Finite step: count it; grow on the growth_interval-th one (torch and Megatron).
+            grown_tracker = state.growth_tracker + 1
+            grow = finite & (grown_tracker >= growth_interval)
+            # Overflow: Megatron's hysteresis (h=1 is torch's rule). Floor at 0 so that
+            # the int32 tracker cannot wrap; "<= 0" is unchanged by the floor.
+            hyst_after_inf = jnp.maximum(state.hysteresis_tracker - 1, 0)
+            backoff = overflow & (hyst_after_inf <= 0)
+            grown = jnp.minimum(scale * jnp.float32(growth_factor), jnp.float32(max_scale))
+            shrunk = jnp.maximum(scale * jnp.float32(backoff_factor), jnp.float32(min_scale))
+            new_scale = jnp.where(grow, grown, jnp.where(backoff, shrunk, scale))
+            growth_tracker = jnp.where(finite & ~grow, grown_tracker, zero)
+            hysteresis_tracker = jnp.where(
+                grow,
+                jnp.asarray(hysteresis, jnp.int32),
+                jnp.where(overflow, hyst_after_inf, state.hysteresis_tracker),
+            )
+        else:
+            new_scale, growth_tracker = scale, state.growth_tracker
+            hysteresis_tracker = state.hysteresis_tracker
+
+        at_min = scale <= jnp.float32(min_scale)
+        min_scale_overflows = jnp.where(overflow & at_min, state.min_scale_overflows + one, zero)
+        new_state = LossScaleState(
+            scale=new_scale,
+            growth_tracker=growth_tracker,
+            hysteresis_tracker=hysteresis_tracker,
+            steps_skipped=state.steps_skipped + overflow.astype(jnp.int32),
+            consecutive_overflows=jnp.where(overflow, state.consecutive_overflows + one, zero),
+            last_finite=finite,
+            min_scale_overflows=min_scale_overflows,
+            diverged=min_scale_overflows >= divergence_steps,
+            inner_state=new_inner,
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- public
+
+
+def DynamicLossScale(  # noqa: N802  (a constructor, named like optax.MultiSteps)
+    inner: optax.GradientTransformation | optax.MultiSteps | None = None,
+    *,
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    hysteresis: int = 1,
+    min_scale: float = 1.0,
+    max_scale: float = 2.0**24,
+    axis_names: str | Sequence[str] = (),
+    divergence_steps: int = 50,
+) -> optax.GradientTransformationExtraArgs:
+    """Dynamic loss scaling, optionally wrapping an optimizer.
+
+    ``update`` takes the gradients of ``scale_loss(loss, state)``, casts them to
+    float32, unscales them, checks that all are finite and adjusts the scale:
+
+    * overflow: the step is skipped (zero updates, ``inner``'s state untouched),
+      the growth counter resets and the hysteresis counter drops by one; when it
+      reaches 0 the scale is multiplied by ``backoff_factor``.
+    * finite: the growth counter increments; on the ``growth_interval``-th
+      consecutive finite step the scale is multiplied by ``growth_factor`` and
+      both counters reset.
+
+    With ``hysteresis=1`` this is exactly ``torch.amp.GradScaler``; with
+    ``hysteresis > 1`` it is Megatron-LM's ``DynamicGradScaler``. The scale is
+    clamped to ``[min_scale, max_scale]`` and is always a float32 scalar. See the
+    module docstring for the bare (``inner=None``) form, gradient accumulation
+    and sharding.
+
+    Args:
+      inner: the optimizer to wrap (recommended), or ``None`` for a bare link
+        at the head of an ``optax.chain`` (links after it are not skipped).
+      init_scale: initial scale.
+      growth_factor: multiplier on growth, > 1.
+      backoff_factor: multiplier on overflow, in (0, 1).
+      growth_interval: consecutive finite steps before growing, >= 1.
+      hysteresis: overflows tolerated before backing off, >= 1 (1 = torch).
+      min_scale: lower bound of the scale, > 0.
+      max_scale: upper bound of the scale, finite in float32.
+      axis_names: mesh axes to ``psum`` the overflow count over; only needed
+        when ``update`` runs inside ``jax.shard_map`` on local gradient blocks.
+      divergence_steps: consecutive overflows at ``min_scale`` after which
+        :func:`overflow_stats` reports ``diverged`` (see :func:`check_divergence`).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state contains a
+      :class:`LossScaleState`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> tx = DynamicLossScale(optax.adam(1e-3), init_scale=2.**15, growth_interval=100)
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> grads = {"w": jnp.array([1.0, jnp.inf, 0.0])}   # an overflow
+      >>> updates, state = tx.update(grads, state, params)
+      >>> float(loss_scale(state)), bool(overflow_stats(state).last_finite)
+      (16384.0, False)
+    """
+    if isinstance(growth_factor, bool) or not float(growth_factor) > 1.0:
+        raise ValueError(
+            f"growth_factor must be > 1, got {growth_factor!r}; "
+            "use e.g. growth_factor=2.0 (double the scale after growth_interval finite steps)."
+        )
+    if not math.isfinite(float(growth_factor)):
+        raise ValueError(f"growth_factor must be finite, got {growth_factor!r}; use e.g. 2.0.")
+    if not 0.0 < float(backoff_factor) < 1.0:
+        raise ValueError(
+            f"backoff_factor must be in (0, 1), got {backoff_factor!r}; "
+            "use e.g. backoff_factor=0.5 (halve the scale on overflow)."
+        )
+    growth_interval = _check_int(
+        "growth_interval", growth_interval, 1, "use e.g. growth_interval=2000 (torch's default)"
+    )
+    hysteresis = _check_int(
+        "hysteresis", hysteresis, 1, "use hysteresis=1 for torch's rule or 2 for Megatron's default"
+    )
+    divergence_steps = _check_int(
+        "divergence_steps", divergence_steps, 1, "use e.g. divergence_steps=50"
+    )
+    init_scale = _check_scale_value("init_scale", init_scale)
+    min_scale = _check_scale_value("min_scale", min_scale)
+    max_scale = _check_scale_value("max_scale", max_scale)
+    if not min_scale <= init_scale <= max_scale:
+        raise ValueError(
+            f"need min_scale <= init_scale <= max_scale, got min_scale={min_scale!r}, "
+            f"init_scale={init_scale!r}, max_scale={max_scale!r}; "
+            "move init_scale into the range or widen the bounds."
+        )
+    return _build(
+        inner,
+        init_scale=init_scale,
+        check=True,
+        dynamic=True,
+        growth_factor=float(growth_factor),
+        backoff_factor=float(backoff_factor),
+        growth_interval=growth_interval,
+        hysteresis=hysteresis,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        axis_names=_normalize_axis_names(axis_names),
+        divergence_steps=divergence_steps,
+    )
+
+
+def StaticLossScale(  # noqa: N802
+    scale: float,
+    inner: optax.GradientTransformation | optax.MultiSteps | None = None,
+    *,
+    axis_names: str | Sequence[str] = (),
+    divergence_steps: int = 50,
+) -> optax.GradientTransformationExtraArgs:
+    """A fixed loss scale: unscale, check, skip on overflow; the scale never moves.
+
+    The skip semantics (wrapped vs bare form) are those of
+    :func:`DynamicLossScale`. Since the scale cannot back off, every overflow
+    counts towards ``divergence_steps``.
+
+    Args:
+      scale: the loss scale, finite and > 0.
+      inner: the optimizer to wrap, or ``None`` for a bare chain link.
+      axis_names: mesh axes to ``psum`` the overflow count over (``shard_map``).
+      divergence_steps: consecutive overflows after which ``diverged`` is set.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state contains a
+      :class:`LossScaleState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx = StaticLossScale(128.0, optax.sgd(0.1))
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> updates, state = tx.update({"w": jnp.full(2, 128.0)}, state)
+      >>> updates["w"].tolist()
+      [-0.10000000149011612, -0.10000000149011612]
+    """
+    scale = _check_scale_value("scale", scale)
+    divergence_steps = _check_int(
+        "divergence_steps", divergence_steps, 1, "use e.g. divergence_steps=50"
+    )
+    return _build(
+        inner,
+        init_scale=scale,
+        check=True,
+        dynamic=False,
+        min_scale=scale,
+        max_scale=scale,
+        axis_names=_normalize_axis_names(axis_names),
+        divergence_steps=divergence_steps,
+    )
+
+
+def NoOpLossScale(  # noqa: N802
+    inner: optax.GradientTransformation | optax.MultiSteps | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Scale 1 and no overflow check: a pure pass-through of ``inner``.
+
+    For bfloat16 / float32 training, so that the same step function (and
+    :func:`scale_loss`, :func:`loss_scale`, :func:`overflow_stats`) works for
+    every precision mode. Floating gradients narrower than float32 are cast to
+    float32; nothing is ever skipped and ``overflow_stats`` stays at zero.
+
+    Args:
+      inner: the optimizer to wrap, or ``None`` for a bare chain link.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state contains a
+      :class:`LossScaleState` with scale 1.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx = NoOpLossScale(optax.sgd(1.0))
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> float(loss_scale(state))
+      1.0
+    """
+    return _build(inner, init_scale=1.0, check=False, dynamic=False)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, LossScaleState)
+
+
+def _find_all(tree: Any) -> list[LossScaleState]:
+    found = []
+    for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_state):
+        if _is_state(leaf):
+            found.append(leaf)
+            found.extend(_find_all(leaf.inner_state))
+    return found
+
+
+def _find_state(opt_state: Any) -> LossScaleState:
+    found = _find_all(opt_state)
+    if not found:
+        raise ValueError(
+            "no jamp loss-scale state found in opt_state; wrap your optimizer with "
+            "jamp.DynamicLossScale(tx) (or jamp.StaticLossScale(scale, tx) / "
+            "jamp.NoOpLossScale(tx)) and pass the state its init/update returned. "
+            "(A checkpoint restored without a target turns NamedTuples into dicts: "
+            "restore it against the abstract state.)"
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"found {len(found)} jamp loss-scale states in opt_state; use exactly one "
+            "loss-scale transformation per optimizer (it must wrap the others)."
+        )
+    return found[0]
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """Multiplies ``loss`` by the current loss scale, computing in float32.
+
+    ``opt_state`` may be any optax state (or a tree holding one, like a train
+    state) that contains exactly one loss-scale state.
+
+    Args:
+      loss: the (scalar) loss, in any floating dtype.
+      opt_state: the optimizer state holding a :class:`LossScaleState`.
+
+    Returns:
+      ``loss * scale`` in float32 (float64 if ``loss`` is float64).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> state = StaticLossScale(4.0, optax.sgd(0.1)).init({"w": jnp.ones(2)})
+      >>> float(scale_loss(jnp.asarray(1.5, jnp.float16), state))
+      6.0
+    """
+    scale = _find_state(opt_state).scale
+    loss = jnp.asarray(loss)
+    dtype = jnp.promote_types(loss.dtype, jnp.float32)
+    return loss.astype(dtype) * jnp.asarray(scale, dtype)
+
+
+def loss_scale(opt_state: Any) -> jax.Array:
+    """The current loss scale (float32 scalar) held in ``opt_state``.
+
+    Args:
+      opt_state: the optimizer state holding a :class:`LossScaleState`.
+
+    Returns:
+      A float32 scalar array.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> state = DynamicLossScale(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+      >>> float(loss_scale(state))
+      65536.0
+    """
+    return jnp.asarray(_find_state(opt_state).scale, jnp.float32)
+
+
+def overflow_stats(opt_state: Any) -> OverflowStats:
+    """Overflow statistics held in ``opt_state``.
+
+    Args:
+      opt_state: the optimizer state holding a :class:`LossScaleState`.
+
+    Returns:
+      An :class:`OverflowStats` of scalar arrays.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> state = DynamicLossScale(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+      >>> int(overflow_stats(state).steps_skipped)
+      0
+    """
+    s = _find_state(opt_state)
+    return OverflowStats(
+        steps_skipped=s.steps_skipped,
+        consecutive_overflows=s.consecutive_overflows,
+        last_finite=s.last_finite,
+        diverged=s.diverged,
+    )
+
+
+def check_divergence(opt_state: Any) -> None:
+    """Raises :class:`LossScaleDivergedError` if the loss scale has diverged.
+
+    Call it on the host (outside ``jit``) every few steps: it reads device
+    values. Divergence means the scale sat at ``min_scale`` and the gradients
+    still overflowed for ``divergence_steps`` consecutive steps, so loss scaling
+    cannot recover and every step is being skipped.
+
+    Args:
+      opt_state: the optimizer state holding a :class:`LossScaleState`.
+
+    Raises:
+      LossScaleDivergedError: with the scale, the number of consecutive
+        overflows and what to try.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> state = DynamicLossScale(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+      >>> check_divergence(state)   # fine: nothing raised
+    """
+    s = _find_state(opt_state)
+    if bool(s.diverged):
+        raise LossScaleDivergedError(
+            f"loss scale diverged: the scale is at its minimum ({float(s.scale):g}) and the "
+            f"gradients have been non-finite for {int(s.consecutive_overflows)} consecutive steps "
+            f"({int(s.steps_skipped)} skipped in total), so every update is being skipped. "
+            "Lower the learning rate (or add warm-up / gradient clipping), train in bfloat16 "
+            "instead of float16, keep numerically sensitive ops (softmax, norms, losses) in "
+            "float32, and check the input data for NaNs/infs."
+        )
