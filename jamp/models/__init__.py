@@ -1,0 +1,1 @@
+"""Models written once, dtype-agnostic, for jamp's precision policies."""

@@ -1,0 +1,218 @@
+"""Vision Transformer (ViT-Ti/S/B/L), written once and dtype-agnostic.
+
+The model takes no dtype arguments: :func:`jamp.apply_policy` decides the
+param/compute/output dtypes. Encoder blocks are stacked with ``nn.scan`` (one
+set of parameters with a leading ``layers`` axis) so the parallelism layer can
+shard and pipeline them; parameters and activations carry logical axis names
+(``batch``, ``seq``, ``embed``, ``heads``, ``kv``, ``mlp``, ``vocab``,
+``layers``) that ``jamp.parallel`` maps onto a device mesh.
+
+Example:
+  >>> import jax, jax.numpy as jnp, jamp
+  >>> from jamp.models import vit
+  >>> model = jamp.apply_policy(vit.create("ti", num_classes=10, patch_size=4), "bf16")
+  >>> variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
+  >>> model.apply(variables, jnp.zeros((2, 16, 16, 3))).shape
+  (2, 10)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+VARIANTS: dict[str, dict[str, int]] = {
+    "ti": dict(hidden_size=192, num_layers=12, num_heads=3, mlp_dim=768),
+    "s": dict(hidden_size=384, num_layers=12, num_heads=6, mlp_dim=1536),
+    "b": dict(hidden_size=768, num_layers=12, num_heads=12, mlp_dim=3072),
+    "l": dict(hidden_size=1024, num_layers=24, num_heads=16, mlp_dim=4096),
+}
+"""Model sizes of Dosovitskiy et al. (2020) and Touvron et al. (2021)."""
+
+
+def _partitioned(init: Callable, axes: tuple[str | None, ...]) -> Callable:
+    return nn.with_logical_partitioning(init, axes)
+
+
+class MlpBlock(nn.Module):
+    """Transformer MLP: Dense(mlp_dim) -> GELU -> Dense(embed), Megatron-shardable."""
+
+    mlp_dim: int
+    dropout_rate: float = 0.0
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
+        features = x.shape[-1]
+        x = nn.Dense(self.mlp_dim, kernel_init=_partitioned(
+            nn.initializers.xavier_uniform(), ("embed", "mlp")),
+            bias_init=_partitioned(nn.initializers.normal(1e-6), ("mlp",)))(x)
+        x = nn.with_logical_constraint(nn.gelu(x), ("batch", "seq", "mlp"))
+        x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+        x = nn.Dense(features, kernel_init=_partitioned(
+            nn.initializers.xavier_uniform(), ("mlp", "embed")),
+            bias_init=_partitioned(nn.initializers.normal(1e-6), ("embed",)))(x)
+        return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+
+
+class EncoderBlock(nn.Module):
+    """Pre-LN transformer block. ``__call__(x, deterministic) -> (x, None)`` for nn.scan."""
+
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> tuple[jax.Array, None]:
+        ln = lambda: nn.LayerNorm(scale_init=_partitioned(nn.initializers.ones, ("embed",)),
+                                  bias_init=_partitioned(nn.initializers.zeros, ("embed",)))
+        y = ln()(x)
+        y = nn.MultiHeadDotProductAttention(
+            num_heads=self.num_heads,
+            kernel_init=_partitioned(nn.initializers.xavier_uniform(), ("embed", "heads", "kv")),
+            out_kernel_init=_partitioned(
+                nn.initializers.xavier_uniform(), ("heads", "kv", "embed")),
+            bias_init=_partitioned(nn.initializers.zeros, ("heads", "kv")),
+            out_bias_init=_partitioned(nn.initializers.zeros, ("embed",)),
+            dropout_rate=self.attention_dropout_rate,
+            deterministic=deterministic,
+        )(y, y)
+        y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+        x = nn.with_logical_constraint(x + y, ("batch", "seq", "embed"))
+        y = MlpBlock(self.mlp_dim, self.dropout_rate)(ln()(x), deterministic)
+        x = nn.with_logical_constraint(x + y, ("batch", "seq", "embed"))
+        return x, None
+
+
+class Encoder(nn.Module):
+    """``num_layers`` encoder blocks, stacked with ``nn.scan`` or unrolled."""
+
+    num_layers: int
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    scan_layers: bool = True
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
+        block_cls = EncoderBlock
+        if self.remat:
+            block_cls = nn.remat(block_cls, static_argnums=(2,), prevent_cse=not self.scan_layers)
+        kwargs = dict(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+                      dropout_rate=self.dropout_rate,
+                      attention_dropout_rate=self.attention_dropout_rate)
+        if self.scan_layers:
+            stack = nn.scan(
+                block_cls,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=nn.broadcast,
+                length=self.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, _ = stack(**kwargs, name="layers")(x, deterministic)
+        else:
+            for i in range(self.num_layers):
+                x, _ = block_cls(**kwargs, name=f"layers_{i}")(x, deterministic)
+        return x
+
+
+class ViT(nn.Module):
+    """Vision Transformer classifier with a class token and learned position embeddings.
+
+    Attributes:
+      num_classes: number of output classes.
+      patch_size: side of the square patches.
+      hidden_size, num_layers, num_heads, mlp_dim: model size (see ``VARIANTS``).
+      dropout_rate, attention_dropout_rate: dropout probabilities.
+      scan_layers: stack the blocks with ``nn.scan`` (params get a ``layers`` axis).
+      remat: rematerialise each block in the backward pass (saves activations).
+    """
+
+    num_classes: int
+    patch_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    scan_layers: bool = True
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, images: jax.Array, train: bool = False) -> jax.Array:
+        """Maps ``[batch, height, width, channels]`` images to ``[batch, num_classes]`` logits."""
+        if images.ndim != 4:
+            raise ValueError(
+                f"ViT expects images of shape [batch, height, width, channels], got {images.shape}."
+            )
+        height, width = images.shape[1:3]
+        if height % self.patch_size or width % self.patch_size:
+            raise ValueError(
+                f"Image size {height}x{width} is not divisible by patch_size={self.patch_size}: "
+                "resize the images or choose a patch size that divides them."
+            )
+        x = nn.Conv(self.hidden_size, (self.patch_size, self.patch_size),
+                    strides=(self.patch_size, self.patch_size), padding="VALID",
+                    kernel_init=_partitioned(nn.initializers.lecun_normal(),
+                                             (None, None, None, "embed")),
+                    bias_init=_partitioned(nn.initializers.zeros, ("embed",)),
+                    name="embedding")(images)
+        batch, h, w, c = x.shape
+        x = x.reshape(batch, h * w, c)
+        cls = self.param("cls", _partitioned(nn.initializers.zeros, (None, None, "embed")),
+                         (1, 1, c))
+        x = jnp.concatenate([jnp.broadcast_to(cls, (batch, 1, c)).astype(x.dtype), x], axis=1)
+        pos = self.param("pos_embedding",
+                         _partitioned(nn.initializers.normal(0.02), (None, "seq", "embed")),
+                         (1, x.shape[1], c))
+        x = nn.with_logical_constraint(x + pos.astype(x.dtype), ("batch", "seq", "embed"))
+        x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+        x = Encoder(self.num_layers, self.num_heads, self.mlp_dim, self.dropout_rate,
+                    self.attention_dropout_rate, self.scan_layers, self.remat,
+                    name="encoder")(x, not train)
+        x = nn.LayerNorm(scale_init=_partitioned(nn.initializers.ones, ("embed",)),
+                         bias_init=_partitioned(nn.initializers.zeros, ("embed",)),
+                         name="encoder_norm")(x[:, 0])
+        return nn.Dense(self.num_classes, kernel_init=_partitioned(
+            nn.initializers.zeros, ("embed", "vocab")),
+            bias_init=_partitioned(nn.initializers.zeros, ("vocab",)), name="head")(x)
+
+
+def create(variant: str, *, num_classes: int, patch_size: int = 16, **overrides: Any) -> ViT:
+    """Returns a ViT of a named size: ``"ti"``, ``"s"``, ``"b"`` or ``"l"``.
+
+    Args:
+      variant: model size; ``"b16"``-style names (size + patch) are accepted too.
+      num_classes: number of classes.
+      patch_size: patch side (16 for 224px images; smaller for small images).
+      **overrides: any other :class:`ViT` field (``num_layers=2``, ``remat=True``...).
+
+    Example:
+      >>> from jamp.models import vit
+      >>> vit.create("s16", num_classes=1000).hidden_size
+      384
+    """
+    name = variant.lower().removeprefix("vit-").removeprefix("vit_")
+    size = name.rstrip("0123456789")
+    if name[len(size):]:
+        patch_size = int(name[len(size):])
+    if size not in VARIANTS:
+        raise ValueError(
+            f"Unknown ViT variant {variant!r}: use one of {', '.join(VARIANTS)} "
+            "optionally followed by the patch size (e.g. 'b16', 's16', 'ti4')."
+        )
+    fields = {f.name for f in dataclasses.fields(ViT)} - {"parent", "name"}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"Unknown ViT field(s) {unknown}; valid: {sorted(fields)}.")
+    return ViT(num_classes=num_classes, patch_size=patch_size,
+               **{**VARIANTS[size], **overrides})

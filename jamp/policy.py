@@ -1,0 +1,289 @@
+"""Precision policies and named mixed-precision modes.
+
+A :class:`Policy` says in which dtype parameters are stored, in which dtype a
+module computes, and in which dtype it returns its output. jamp reuses
+``jmp.Policy`` as is; :func:`get_policy` accepts jmp's string grammar and gives
+errors that list what is valid.
+
+:func:`mixed_precision` turns a mode name ("fp16", "bf16", "O2", "16-mixed", ...)
+into a :class:`MixedPrecision` recipe: the policy, the per-module-class
+overrides, the loss-scaling recipe and whether fp32 master weights are kept.
+
+Example:
+  >>> import jamp
+  >>> mp = jamp.mixed_precision("fp16")
+  >>> str(mp.policy)
+  'p=full,c=f16,o=full'
+  >>> mp.loss_scale, mp.init_scale
+  ('dynamic', 65536.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import flax.linen as nn
+import jax.numpy as jnp
+import jmp
+from jmp._src import policy as _jmp_policy
+
+Policy = jmp.Policy
+"""``jmp.Policy``: a frozen dataclass ``(param_dtype, compute_dtype, output_dtype)``."""
+
+LossScaleKind = Literal["none", "static", "dynamic"]
+Overrides = tuple[tuple[type, Policy], ...]
+
+_KEYS = ("params", "compute", "output")
+_KEY_ALIASES = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
+                "o": "output", "output": "output"}
+
+
+def _dtype_names() -> list[str]:
+    return sorted(_jmp_policy.name_to_dtype) + ["half"]
+
+
+def _policy_error(spec: object, problem: str) -> ValueError:
+    return ValueError(
+        f"Invalid precision policy {spec!r}: {problem}. A policy is either one dtype name "
+        f"for everything (e.g. 'bf16') or comma-separated key=dtype pairs, e.g. "
+        f"'params=float32,compute=float16,output=float32' or 'p=full,c=bf16,o=full'. "
+        f"Valid keys: {', '.join(_KEYS)} (or p, c, o). Valid dtype names: "
+        f"{', '.join(_dtype_names())}. 'half' means float16 on GPU/CPU and bfloat16 on "
+        f"TPU, resolved from the first local device when the policy is parsed."
+    )
+
+
+def get_policy(spec: str | Policy) -> Policy:
+    """Returns a :class:`Policy` from jmp's string grammar or an existing policy.
+
+    The grammar is jmp's: a single dtype name sets all three dtypes
+    (``"bf16"``, ``"f32"``, ``"half"``); ``key=dtype`` pairs set some of them,
+    with params defaulting to float32, compute following params and output
+    following compute (``"c=f16"`` is ``p=f32,c=f16,o=f16``). ``"half"`` is
+    resolved *when the policy is parsed*, from the first local device: bfloat16
+    on TPU, float16 elsewhere.
+
+    Args:
+      spec: a policy string or a ``Policy`` (returned unchanged).
+
+    Returns:
+      The parsed ``jmp.Policy``.
+
+    Raises:
+      ValueError: for anything else, listing the valid keys and dtype names.
+
+    Example:
+      >>> import jamp
+      >>> str(jamp.get_policy("params=float32,compute=bfloat16,output=float32"))
+      'p=full,c=bf16,o=full'
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise _policy_error(spec, f"expected a string or jamp.Policy, got {type(spec).__name__}")
+    text = spec.strip()
+    if not text:
+        raise _policy_error(spec, "it is empty")
+    if "=" in text:
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            if not sep or "=" in value:
+                raise _policy_error(spec, f"{part.strip()!r} is not of the form key=dtype")
+            if key.strip() not in _KEY_ALIASES:
+                raise _policy_error(spec, f"unknown key {key.strip()!r}")
+            if value.strip() not in _dtype_names():
+                raise _policy_error(spec, f"unknown dtype {value.strip()!r}")
+        text = ",".join(p.strip().replace(" ", "") for p in text.split(","))
+    elif text not in _dtype_names():
+        raise _policy_error(spec, f"unknown dtype {text!r}")
+    return jmp.get_policy(text)
+
+
+def _norm_classes() -> tuple[type, ...]:
+    return (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+def float32_overrides(policy: Policy) -> Overrides:
+    """Overrides that run normalisation layers in float32 and return compute dtype.
+
+    Args:
+      policy: the model-wide policy; its compute dtype is what the norms return.
+
+    Returns:
+      A tuple of ``(module class, Policy)`` pairs for LayerNorm, BatchNorm,
+      GroupNorm and RMSNorm.
+
+    Example:
+      >>> import jamp
+      >>> ov = jamp.float32_overrides(jamp.get_policy("p=f32,c=f16,o=f32"))
+      >>> str(dict(ov)[nn.LayerNorm])
+      'p=full,c=full,o=f16'
+    """
+    norm = Policy(jnp.float32, jnp.float32, policy.compute_dtype)
+    return tuple((cls, norm) for cls in _norm_classes())
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """A named mixed-precision recipe: everything a mode decides.
+
+    Attributes:
+      name: canonical mode name ("fp32", "fp16", "bf16", ...).
+      policy: model-wide param/compute/output dtypes.
+      overrides: ``(module class, Policy)`` pairs; a module uses the policy of the
+        first class in its MRO that has one (so subclasses follow their parent).
+      softmax_fp32: compute attention softmax in float32.
+      loss_scale: "none", "static" or "dynamic".
+      init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+      min_scale, max_scale: loss-scaling parameters (dynamic; ``init_scale`` is
+        the fixed scale for "static").
+      master_weights: keep fp32 master copies of half-precision params in the
+        optimizer state (apex O2 / Colossal-AI naive AMP).
+
+    Example:
+      >>> import jamp
+      >>> mp = jamp.mixed_precision("O2", hysteresis=1)
+      >>> mp.name, mp.master_weights, mp.hysteresis
+      ('fp16_naive', True, 1)
+    """
+
+    name: str
+    policy: Policy
+    overrides: Overrides = ()
+    softmax_fp32: bool = False
+    loss_scale: LossScaleKind = "none"
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    master_weights: bool = False
+
+    def __post_init__(self):
+        if self.loss_scale not in ("none", "static", "dynamic"):
+            raise ValueError(
+                f"loss_scale={self.loss_scale!r} is not valid: use 'none', 'static' or 'dynamic'."
+            )
+        object.__setattr__(self, "policy", get_policy(self.policy))
+        if isinstance(self.overrides, Mapping):
+            object.__setattr__(self, "overrides", tuple(self.overrides.items()))
+        overrides = tuple((cls, get_policy(p)) for cls, p in self.overrides)
+        for cls, _ in overrides:
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise ValueError(
+                    f"overrides keys must be flax.linen.Module subclasses, got {cls!r}."
+                )
+        object.__setattr__(self, "overrides", overrides)
+
+    def policy_for(self, module_cls: type) -> Policy:
+        """Returns the policy a module of ``module_cls`` runs under.
+
+        Example:
+          >>> import jamp, flax.linen as nn
+          >>> str(jamp.mixed_precision("fp16").policy_for(nn.Dense))
+          'p=full,c=f16,o=full'
+        """
+        table = dict(self.overrides)
+        for klass in module_cls.__mro__:
+            if klass in table:
+                return table[klass]
+        return self.policy
+
+
+_FP16_SCALING: dict[str, Any] = dict(
+    loss_scale="dynamic", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+    growth_interval=2000, hysteresis=1, min_scale=1.0, max_scale=2.0**24,
+)
+
+
+def _mode_table() -> dict[str, dict[str, Any]]:
+    f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
+    mixed16 = Policy(f32, f16, f32)
+    mixedbf = Policy(f32, bf16, f32)
+    naive = Policy(f16, f16, f32)
+    return {
+        "fp32": dict(policy=Policy(f32, f32, f32)),
+        "fp16": dict(policy=mixed16, overrides=float32_overrides(mixed16), softmax_fp32=True,
+                     **_FP16_SCALING),
+        "bf16": dict(policy=mixedbf, overrides=float32_overrides(mixedbf), softmax_fp32=True),
+        "fp16_naive": dict(policy=naive, overrides=float32_overrides(naive), softmax_fp32=True,
+                           master_weights=True, **{**_FP16_SCALING, "hysteresis": 2}),
+        "fp16_pure": dict(policy=Policy(f16, f16, f16), loss_scale="static", init_scale=1.0),
+        "bf16_pure": dict(policy=Policy(bf16, bf16, bf16)),
+    }
+
+
+MODE_ALIASES: dict[str, str] = {
+    "fp32": "fp32", "32": "fp32", "32-true": "fp32", "O0": "fp32",
+    "fp16": "fp16", "16": "fp16", "16-mixed": "fp16", "O1": "fp16", "torch": "fp16",
+    "amp": "fp16",
+    "bf16": "bf16", "bf16-mixed": "bf16",
+    "fp16_naive": "fp16_naive", "O2": "fp16_naive", "naive": "fp16_naive",
+    "fp16_pure": "fp16_pure", "O3": "fp16_pure", "16-true": "fp16_pure",
+    "bf16_pure": "bf16_pure", "bf16-true": "bf16_pure",
+}
+"""Every accepted mode name (Lightning, apex and Colossal-AI spellings) -> canonical name."""
+
+MODES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp16_naive", "fp16_pure", "bf16_pure")
+"""The canonical mode names."""
+
+
+def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecision:
+    """Returns the :class:`MixedPrecision` recipe for a named mode.
+
+    Modes (aliases in brackets):
+      - ``fp32`` ("32", "32-true", "O0"): everything float32, no loss scaling.
+      - ``fp16`` ("16", "16-mixed", "O1", "amp", "torch"): params f32, compute f16,
+        output f32; norms and softmax in f32; dynamic loss scaling (init 2**16,
+        growth 2, backoff 0.5, interval 2000).
+      - ``bf16`` ("bf16-mixed"): params f32, compute bf16, output f32; norms and
+        softmax in f32; no loss scaling.
+      - ``fp16_naive`` ("O2", "naive"): params held in f16 for forward and
+        backward, fp32 master weights in the optimizer, norms f32, dynamic
+        scaling with hysteresis 2 (Colossal-AI's naive AMP).
+      - ``fp16_pure`` ("O3", "16-true"): everything f16, static scale 1.0.
+        Unsafe: small gradients underflow and updates below f16 resolution are
+        lost; for speed baselines only.
+      - ``bf16_pure`` ("bf16-true"): everything bf16 (TPU-style pure bf16).
+
+    Args:
+      name: a mode name or alias, or an existing ``MixedPrecision``.
+      **overrides: replace individual fields, e.g. ``init_scale=2**15``,
+        ``hysteresis=1``, ``policy="p=f32,c=bf16,o=f32"``.
+
+    Returns:
+      A frozen ``MixedPrecision``.
+
+    Raises:
+      ValueError: for an unknown mode name or an unknown field.
+
+    Example:
+      >>> import jamp
+      >>> jamp.mixed_precision("16-mixed", init_scale=2**15).init_scale
+      32768
+    """
+    if isinstance(name, MixedPrecision):
+        base = name
+    else:
+        canonical = MODE_ALIASES.get(str(name).strip()) if isinstance(name, str) else None
+        if canonical is None:
+            raise ValueError(
+                f"Unknown mixed-precision mode {name!r}. Valid modes: {', '.join(MODES)}; "
+                f"aliases: {', '.join(k for k in MODE_ALIASES if k not in MODES)}."
+            )
+        base = MixedPrecision(name=canonical, **_mode_table()[canonical])
+    fields = {f.name for f in dataclasses.fields(MixedPrecision)} - {"name"}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"Unknown field(s) {', '.join(unknown)} for mixed_precision({base.name!r}). "
+            f"Valid fields: {', '.join(sorted(fields))}."
+        )
+    if "policy" in overrides and "overrides" not in overrides and base.overrides:
+        # Norms return the compute dtype: follow a replaced policy.
+        overrides["overrides"] = float32_overrides(get_policy(overrides["policy"]))
+    return dataclasses.replace(base, **overrides) if overrides else base

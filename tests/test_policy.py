@@ -1,0 +1,124 @@
+import jax.numpy as jnp
+import pytest
+
+import jamp
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("params=float32,compute=float16,output=float32", (jnp.float32, jnp.float16, jnp.float32)),
+        ("p=f32,c=bf16,o=f32", (jnp.float32, jnp.bfloat16, jnp.float32)),
+        ("c=f16", (jnp.float32, jnp.float16, jnp.float16)),
+        ("p=f16,c=bf16", (jnp.float16, jnp.bfloat16, jnp.bfloat16)),
+        ("bf16", (jnp.bfloat16,) * 3),
+        ("full", (jnp.float32,) * 3),
+        (" p = f32 , c = f16 ", (jnp.float32, jnp.float16, jnp.float16)),
+        ("half", (jnp.float16,) * 3),  # CPU: half is float16, resolved at parse time.
+    ],
+)
+def test_get_policy_accepts_jmp_grammar(spec, expected):
+    policy = jamp.get_policy(spec)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
+
+
+def test_get_policy_returns_existing_policy_unchanged():
+    policy = jamp.Policy(jnp.float32, jnp.float16, jnp.float32)
+    assert jamp.get_policy(policy) is policy
+
+
+@pytest.mark.parametrize(
+    "spec, problem",
+    [
+        ("fp16", "unknown dtype 'fp16'"),
+        ("p=f33", "unknown dtype 'f33'"),
+        ("x=f32", "unknown key 'x'"),
+        ("p=f32,c", "'c' is not of the form key=dtype"),
+        ("p=f32=f16", "is not of the form key=dtype"),
+        ("", "it is empty"),
+        (3, "expected a string or jamp.Policy"),
+    ],
+)
+def test_get_policy_rejects_bad_specs_listing_valid_names(spec, problem):
+    with pytest.raises(ValueError) as info:
+        jamp.get_policy(spec)
+    message = str(info.value)
+    assert problem in message
+    assert "Valid keys: params, compute, output" in message
+    for name in ("bfloat16", "float16", "float32", "bf16", "f16", "f32", "half"):
+        assert name in message
+
+
+F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "name, dtypes, scaling, master",
+    [
+        ("fp32", (F32, F32, F32), "none", False),
+        ("fp16", (F32, F16, F32), "dynamic", False),
+        ("bf16", (F32, BF16, F32), "none", False),
+        ("fp16_naive", (F16, F16, F32), "dynamic", True),
+        ("fp16_pure", (F16, F16, F16), "static", False),
+        ("bf16_pure", (BF16, BF16, BF16), "none", False),
+    ],
+)
+def test_named_modes(name, dtypes, scaling, master):
+    mp = jamp.mixed_precision(name)
+    p = mp.policy
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == dtypes
+    assert mp.loss_scale == scaling
+    assert mp.master_weights is master
+    assert mp.name == name
+
+
+def test_fp16_mode_scaling_recipe_and_fp32_norms():
+    import flax.linen as nn
+
+    mp = jamp.mixed_precision("fp16")
+    assert (mp.init_scale, mp.growth_factor, mp.backoff_factor, mp.growth_interval,
+            mp.hysteresis) == (2.0**16, 2.0, 0.5, 2000, 1)
+    assert mp.softmax_fp32
+    for cls in (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm):
+        policy = mp.policy_for(cls)
+        assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (F32, F32, F16)
+    assert mp.policy_for(nn.Dense) is mp.policy
+
+
+def test_naive_mode_has_hysteresis_two_and_pure_modes_no_overrides():
+    assert jamp.mixed_precision("fp16_naive").hysteresis == 2
+    assert jamp.mixed_precision("fp16_pure").init_scale == 1.0
+    assert jamp.mixed_precision("fp16_pure").overrides == ()
+    assert jamp.mixed_precision("bf16_pure").overrides == ()
+
+
+@pytest.mark.parametrize(
+    "alias, canonical",
+    [("32", "fp32"), ("O0", "fp32"), ("16", "fp16"), ("16-mixed", "fp16"), ("O1", "fp16"),
+     ("bf16-mixed", "bf16"), ("O2", "fp16_naive"), ("O3", "fp16_pure"),
+     ("bf16-true", "bf16_pure")],
+)
+def test_aliases(alias, canonical):
+    assert jamp.mixed_precision(alias) == jamp.mixed_precision(canonical)
+
+
+def test_keyword_overrides_replace_fields():
+    mp = jamp.mixed_precision("fp16", init_scale=2**15, hysteresis=1, growth_interval=7)
+    assert (mp.init_scale, mp.hysteresis, mp.growth_interval) == (2**15, 1, 7)
+    assert jamp.mixed_precision("fp16").init_scale == 2**16  # the base is not mutated
+
+
+def test_replacing_the_policy_keeps_norms_returning_compute_dtype():
+    import flax.linen as nn
+
+    mp = jamp.mixed_precision("fp16", policy="p=f32,c=bf16,o=f32")
+    assert mp.policy_for(nn.LayerNorm).output_dtype == BF16
+
+
+def test_unknown_mode_and_field_are_rejected():
+    with pytest.raises(ValueError, match="Valid modes: fp32, fp16, bf16, fp16_naive"):
+        jamp.mixed_precision("fp8")
+    with pytest.raises(ValueError, match="Unknown field.*init_scael.*Valid fields:.*init_scale"):
+        jamp.mixed_precision("fp16", init_scael=3)
+    with pytest.raises(ValueError, match="loss_scale='sometimes'"):
+        jamp.mixed_precision("fp16", loss_scale="sometimes")
