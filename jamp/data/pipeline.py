@@ -176,12 +176,13 @@ def eval_batches(
     process_index: int = 0,
     process_count: int = 1,
 ) -> Iterator[Batch]:
-    """Yields every example of a split exactly once, deterministically, unaugmented.
+    """Iterates over every example of a split exactly once, deterministically, unaugmented.
 
     Global batch ``b`` holds examples ``b * G ... (b + 1) * G - 1`` (G the global
     batch size) and process ``p`` gets its ``p``-th slice of G // process_count,
     so all processes yield the same number of batches, ceil(num / G). Positions
-    past the end are padding: zero image, label 0, ``mask`` False.
+    past the end are padding: a blank image, label 0, ``mask`` False. Arguments are
+    checked (and the dataset found) when called, not on the first ``next``.
 
     Args:
       name: "digits" or a TFDS image-classification dataset prepared in `data_dir`.
@@ -192,8 +193,13 @@ def eval_batches(
       process_index: this process's index (``jax.process_index()``).
       process_count: number of processes (``jax.process_count()``).
 
-    Yields:
-      ``{"image": float32 [B, S, S, C], "label": int32 [B], "mask": bool [B]}``.
+    Returns:
+      An iterator of ``{"image": float32 [B, S, S, C], "label": int32 [B],
+      "mask": bool [B]}`` batches, B = global_batch_size // process_count.
+
+    Raises:
+      ValueError: `global_batch_size` is not a multiple of `process_count`.
+      DatasetNotFoundError: the dataset is unknown or not prepared.
 
     Example:
       >>> batches = list(eval_batches("digits", image_size=8, global_batch_size=128))
@@ -230,7 +236,7 @@ def eval_batches(
         .batch(batch_size)
         .map(transforms.Normalize(mean=mean, std=std).map)
     )
-    yield from dataset.to_iter_dataset(_default_read_options(0))
+    return iter(dataset.to_iter_dataset(_default_read_options(0)))
 
 
 def _default_read_options(worker_count: int) -> grain.ReadOptions:
