@@ -11,6 +11,18 @@ Example:
 """
 
 from jamp.flax import PolicyModule, apply_policy, policy_scope, to_mixed_precision
+from jamp.loss_scale import (
+    DynamicLossScale,
+    LossScaleDivergedError,
+    LossScaleState,
+    NoOpLossScale,
+    OverflowStats,
+    StaticLossScale,
+    check_divergence,
+    loss_scale,
+    overflow_stats,
+    scale_loss,
+)
 from jamp.master import MasterWeightsState, master_params, master_weights
 from jamp.memory import MemoryReport, memory_report, tree_bytes
 from jamp.policy import (
@@ -22,10 +34,24 @@ from jamp.policy import (
     get_policy,
     mixed_precision,
 )
+from jamp.step import eval_step, make_optimizer, train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DynamicLossScale",
+    "LossScaleDivergedError",
+    "LossScaleState",
+    "NoOpLossScale",
+    "OverflowStats",
+    "StaticLossScale",
+    "check_divergence",
+    "eval_step",
+    "loss_scale",
+    "make_optimizer",
+    "overflow_stats",
+    "scale_loss",
+    "train_step",
     "MODES",
     "MODE_ALIASES",
     "MasterWeightsState",

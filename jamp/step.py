@@ -1,0 +1,157 @@
+"""The mixed-precision train step: scaled loss -> grads -> unscale/check -> skip or update.
+
+:func:`make_optimizer` turns a :class:`~jamp.MixedPrecision` recipe and any optax
+optimizer into the one transformation the mode needs (fp32 master weights,
+then the loss scale outside them). :func:`train_step` is a complete
+classification step on a ``flax.training.train_state.TrainState``.
+
+Example:
+  >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, jamp
+  >>> from flax.training import train_state
+  >>> from jamp.models import vit
+  >>> mp = jamp.mixed_precision("fp16")
+  >>> model = jamp.apply_policy(vit.create(
+  ...     "ti", num_classes=3, patch_size=2, num_layers=1, hidden_size=8, num_heads=2, mlp_dim=8), mp)
+  >>> params = nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4, 4, 1))))["params"]
+  >>> state = train_state.TrainState.create(
+  ...     apply_fn=model.apply, params=params, tx=jamp.make_optimizer(mp, optax.sgd(0.1)))
+  >>> batch = {"image": jnp.ones((2, 4, 4, 1)), "label": jnp.array([0, 1])}
+  >>> state, metrics = jax.jit(jamp.train_step)(state, batch, jax.random.key(1))
+  >>> float(metrics["loss_scale"])
+  65536.0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from jamp.loss_scale import (
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    loss_scale,
+    overflow_stats,
+    scale_loss,
+)
+from jamp.master import master_weights
+from jamp.policy import MixedPrecision
+
+_SCALE_FIELDS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                 "hysteresis", "min_scale", "max_scale")
+
+
+def make_optimizer(
+    mp: MixedPrecision,
+    tx: optax.GradientTransformation,
+    *,
+    axis_names: tuple[str, ...] = (),
+    divergence_steps: int = 50,
+) -> optax.GradientTransformation:
+    """Wraps ``tx`` as the mode requires: master weights, then the loss scale.
+
+    ``"dynamic"`` modes give ``DynamicLossScale(tx)``, ``"static"`` gives
+    ``StaticLossScale(tx)``, ``"none"`` gives ``NoOpLossScale(tx)`` (so
+    ``jamp.loss_scale``/``jamp.overflow_stats`` work in every mode). With
+    ``master_weights`` the optimizer runs on fp32 copies inside the loss scale,
+    so a skipped step leaves the master copy untouched.
+
+    Args:
+      mp: the recipe (``jamp.mixed_precision(...)``).
+      tx: any optax optimizer (clipping inside it sees unscaled gradients).
+      axis_names: mesh axes to reduce the overflow check over inside ``shard_map``.
+      divergence_steps: overflows in a row at ``min_scale`` before the stats say diverged.
+
+    Example:
+      >>> import optax, jamp
+      >>> tx = jamp.make_optimizer(jamp.mixed_precision("O2"), optax.adam(1e-3))
+      >>> isinstance(tx, optax.GradientTransformation)
+      True
+    """
+    if mp.master_weights:
+        tx = master_weights(tx)
+    if mp.loss_scale == "dynamic":
+        return DynamicLossScale(
+            tx, **{f: getattr(mp, f) for f in _SCALE_FIELDS},
+            axis_names=axis_names, divergence_steps=divergence_steps)
+    if mp.loss_scale == "static":
+        return StaticLossScale(mp.init_scale, tx)
+    return NoOpLossScale(tx)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0,
+                  mask: jax.Array | None = None) -> jax.Array:
+    """Mean softmax cross-entropy in float32 (the loss always runs in float32).
+
+    Example:
+      >>> import jax.numpy as jnp, jamp
+      >>> round(float(jamp.step.cross_entropy(jnp.zeros((1, 4)), jnp.array([2]))), 4)
+      1.3863
+    """
+    logits = logits.astype(jnp.float32)
+    targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
+    losses = optax.softmax_cross_entropy(logits, targets)
+    if mask is None:
+        return losses.mean()
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def train_step(
+    state: train_state.TrainState,
+    batch: dict[str, jax.Array],
+    rng: jax.Array,
+    label_smoothing: float = 0.0,
+) -> tuple[train_state.TrainState, dict[str, Any]]:
+    """One classification training step with loss scaling and exact skip-on-overflow.
+
+    The loss is computed in float32 on the model's logits, scaled by the current
+    loss scale, differentiated; the optimizer (from :func:`make_optimizer`)
+    unscales, checks and skips or applies the update.
+
+    Args:
+      state: a ``TrainState`` whose ``apply_fn(variables, images, train=..., rngs=...)``
+        returns logits and whose ``tx`` holds a jamp loss scale.
+      batch: ``{"image": [B, ...], "label": [B]}``.
+      rng: dropout key for this step.
+      label_smoothing: optional label smoothing.
+
+    Returns:
+      The new state and metrics: loss, accuracy, loss_scale (used for this
+      step), grad_finite, steps_skipped, diverged.
+
+    Example: see the module docstring.
+    """
+    scale = loss_scale(state.opt_state)
+
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, batch["image"], train=True,
+                                rngs={"dropout": rng})
+        loss = cross_entropy(logits, batch["label"], label_smoothing)
+        return scale_loss(loss, state.opt_state), (loss, logits)
+
+    grads, (loss, logits) = jax.grad(loss_fn, has_aux=True)(state.params)
+    state = state.apply_gradients(grads=grads)
+    stats = overflow_stats(state.opt_state)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+    return state, dict(loss=loss, accuracy=accuracy, loss_scale=scale,
+                       grad_finite=stats.last_finite, steps_skipped=stats.steps_skipped,
+                       diverged=stats.diverged)
+
+
+def eval_step(state: train_state.TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Sums of loss, correct predictions and examples over a (masked) eval batch.
+
+    Example:
+      >>> # metrics = jamp.eval_step(state, {"image": x, "label": y, "mask": m})
+    """
+    logits = state.apply_fn({"params": state.params}, batch["image"], train=False)
+    mask = batch.get("mask", jnp.ones(batch["label"].shape, bool)).astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+    return dict(loss_sum=jnp.sum(losses * mask), correct=jnp.sum(correct * mask),
+                count=jnp.sum(mask))
