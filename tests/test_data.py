@@ -189,6 +189,17 @@ def test_train_loader_shards_processes(digits_dir):
     assert (full - shards[0] - shards[1]).total() == 1
 
 
+def test_train_loader_worker_processes(digits_dir):
+    in_process = _take(iter(_digits_loader(digits_dir, seed=5)), 2)
+    it = iter(_digits_loader(digits_dir, seed=5, worker_count=1))
+    _assert_same(in_process, _take(it, 2))
+    state = it.get_state()
+    expected = _take(it, 2)
+    resumed = iter(_digits_loader(digits_dir, seed=5, worker_count=1))
+    resumed.set_state(state)
+    _assert_same(expected, _take(resumed, 2))
+
+
 def test_train_loader_state_restore(digits_dir):
     it = iter(_digits_loader(digits_dir))
     _take(it, 25)  # Past the end of the first epoch (22 batches).

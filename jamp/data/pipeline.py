@@ -207,6 +207,8 @@ def eval_batches(
       (3, 360)
     """
     batch_size = per_process_batch_size(global_batch_size, process_count)
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is not in [0, {process_count}).")
     info = get_dataset_info(name, data_dir)
     source = sources.open_source(info, split or info.test_split, data_dir)
     mean, std = sources.channel_stats(info, sources.resolve_data_dir(info.name, data_dir))
