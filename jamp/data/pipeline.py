@@ -14,7 +14,9 @@ the data position: grain's orbax handler saves it next to the train state::
         state=ocp.args.StandardRestore(abstract_state),
         data=grain.checkpoint.CheckpointRestore(it)))   # `it` now resumes in place
 
-Without orbax: ``blob = it.get_state()`` (bytes) and ``it.set_state(blob)``.
+Without orbax: ``blob = it.get_state()`` (bytes) and ``it.set_state(blob)``. Restore
+into a loader built with the same arguments: grain checks that the sampler (seed,
+shards, epochs), the source and `worker_count` match the saved state.
 
 Evaluation: `eval_batches` yields every example of the test split exactly once,
 in order, in fixed-size batches; the padding of the last batch has ``mask`` False.
