@@ -47,13 +47,19 @@ Bare form (``inner=None``, a link at the head of a chain)
   stateless (e.g. ``optax.sgd`` without momentum).
 
 How the skip is implemented
-  ``inner.update`` is evaluated on every step and its results are chosen with
-  an element-wise ``select`` on the all-finite flag (``jnp.where`` over the
-  updates and the state trees). A skipped step yields the old state leaves
-  bit-for-bit. XLA fuses the select into the optimizer's own element-wise
-  kernels, so the select is nearly free; ``lax.cond`` would save the optimizer
-  arithmetic on the rare skipped steps but splits fusions on every step and
-  measured slower on CPU (see ``benchmarks/loss_scale_overhead.py``).
+  The all-finite flag is computed first (one fused ``max|g|`` reduction per
+  leaf), then ``jax.lax.cond`` either runs ``inner.update`` on the unscaled
+  gradients (the unscale is fused into the optimizer's kernels) or returns
+  zeros and the *same* inner state object, so a skipped step is exact by
+  construction and does no optimizer arithmetic. The alternative, running
+  ``inner.update`` unconditionally and choosing with ``jnp.where`` over the
+  updates and state trees, is also exact but keeps the old optimizer state
+  alive next to the new one: XLA then copies the donated moments and
+  recomputes them, which measured ~1.5x the overhead of ``cond`` on CPU. The
+  remaining cost of either form is the extra read of the gradients by the
+  check and the fact that the optimizer must wait for *all* gradients before
+  it starts (plus, for ``cond``, the updates are materialised instead of being
+  fused into ``optax.apply_updates``). See ``benchmarks/loss_scale_overhead.py``.
 
 Gradient accumulation
   Put the loss scale *outside* ``optax.MultiSteps``::
@@ -223,14 +229,37 @@ def _as_extra_args(inner: Any) -> optax.GradientTransformationExtraArgs:
 # --------------------------------------------------------------------------- numerics
 
 
-def all_finite(tree: Any, axis_names: str | Sequence[str] = ()) -> jax.Array:
-    """Whether every floating-point leaf of ``tree`` is finite.
+def _finite_flag(tree: Any, inv_scale: jax.Array, axis_names: tuple[str, ...]) -> jax.Array:
+    """Whether ``tree * inv_scale`` (computed in >= float32) is finite everywhere.
 
-    The non-finite elements are counted locally (one int32 count per leaf,
-    summed) and the count is ``jax.lax.psum``-med over ``axis_names``, so inside
-    ``jax.shard_map`` every shard gets the same answer. Under plain ``jax.jit``
-    the reduction over a globally sharded array is already global. Integer
-    leaves are ignored.
+    Checks ``max|x| * inv_scale`` per leaf instead of unscaling every element:
+    float rounding is monotone, so ``round(max|x| * c) == max round(|x| * c)``
+    for ``c > 0``, and the max is inf iff some unscaled element is. A NaN
+    propagates through XLA's ``max`` (``jnp.max`` is NaN-propagating). A
+    ``max(abs(x))`` reduction fuses with its producer and vectorises on CPU,
+    unlike an element count, and the unscaled copy is never materialised.
+    """
+    flags = []
+    for x in jax.tree_util.tree_leaves(tree):
+        dtype = jnp.result_type(x)
+        if not jnp.issubdtype(dtype, jnp.inexact) or jnp.size(x) == 0:
+            continue
+        wide = jnp.promote_types(dtype, jnp.float32)
+        leaf_max = jnp.max(jnp.abs(x)).astype(wide)
+        flags.append(jnp.isfinite(leaf_max * inv_scale.astype(wide)))
+    finite = jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+    if axis_names:
+        finite = jax.lax.psum((~finite).astype(jnp.int32), axis_names) == 0
+    return finite
+
+
+def all_finite(tree: Any, axis_names: str | Sequence[str] = ()) -> jax.Array:
+    """Whether every floating-point leaf of ``tree`` is finite (no inf, no NaN).
+
+    One fused ``max(|x|)`` reduction per leaf. Inside ``jax.shard_map`` the
+    local non-finite flag is ``jax.lax.psum``-med over ``axis_names`` so every
+    shard gets the same answer; under plain ``jax.jit`` the reduction over a
+    globally sharded array is already global. Integer leaves are ignored.
 
     Args:
       tree: a pytree of arrays.
@@ -241,21 +270,10 @@ def all_finite(tree: Any, axis_names: str | Sequence[str] = ()) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> bool(all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+      >>> bool(all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.nan])}))
       False
     """
-    axis_names = _normalize_axis_names(axis_names)
-    leaves = [
-        x
-        for x in jax.tree_util.tree_leaves(tree)
-        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-    ]
-    count = jnp.zeros((), jnp.int32)
-    for x in leaves:
-        count = count + jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
-    if axis_names:
-        count = jax.lax.psum(count, axis_names)
-    return count == 0
+    return _finite_flag(tree, jnp.ones((), jnp.float32), _normalize_axis_names(axis_names))
 
 
 def _unscale(tree: Any, inv_scale: jax.Array) -> Any:
@@ -270,20 +288,10 @@ def _unscale(tree: Any, inv_scale: jax.Array) -> Any:
     return jax.tree_util.tree_map(one, tree)
 
 
-def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """``where(pred, a, b)`` over two trees of the same structure (exact, no promotion)."""
-
-    def one(a, b):
-        a = jnp.asarray(a)
-        return jax.lax.select(pred, a, jnp.asarray(b, a.dtype))
-
-    return jax.tree_util.tree_map(one, on_true, on_false)
-
-
-def _zero_on_overflow(pred: jax.Array, tree: Any) -> Any:
+def _zero_on_overflow(finite: jax.Array, tree: Any) -> Any:
     def one(x):
         x = jnp.asarray(x)
-        return jax.lax.select(pred, x, jnp.zeros_like(x))
+        return jax.lax.select(finite, x, jnp.zeros_like(x))
 
     return jax.tree_util.tree_map(one, tree)
 
@@ -329,20 +337,38 @@ def _build(
 
     def update_fn(updates, state, params=None, **extra_args):
         scale = jnp.asarray(state.scale, jnp.float32)
-        grads = _unscale(updates, 1.0 / scale)
-        finite = all_finite(grads, axis_names) if check else jnp.asarray(True)
+        inv_scale = 1.0 / scale
+        finite = _finite_flag(updates, inv_scale, axis_names) if check else jnp.asarray(True)
+
+        if not check:  # NoOpLossScale: a pure pass-through.
+            if inner_tx is None:
+                return updates, state
+            new_updates, new_inner = inner_tx.update(
+                updates, state.inner_state, params, **extra_args
+            )
+            return new_updates, state._replace(inner_state=new_inner)
 
         if inner_tx is None:
-            new_updates = _zero_on_overflow(finite, grads) if check else grads
+            new_updates = _zero_on_overflow(finite, _unscale(updates, inv_scale))
             new_inner = state.inner_state
         else:
-            new_updates, new_inner = inner_tx.update(grads, state.inner_state, params, **extra_args)
-            if check:
-                new_updates = _zero_on_overflow(finite, new_updates)
-                new_inner = _select(finite, new_inner, state.inner_state)
 
-        if not check:
-            return new_updates, state._replace(inner_state=new_inner)
+            def apply():
+                # Unscaling inside the branch lets XLA fuse it into the optimizer.
+                grads = _unscale(updates, inv_scale)
+                return inner_tx.update(grads, state.inner_state, params, **extra_args)
+
+            def skip():
+                # Zeros and the *same* inner state: exact, and no optimizer arithmetic.
+                # (astype to the traced branch's dtypes only reconciles weak types.)
+                shapes, state_shapes = jax.eval_shape(apply)
+                zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+                old = jax.tree_util.tree_map(
+                    lambda s, x: jnp.asarray(x, s.dtype), state_shapes, state.inner_state
+                )
+                return zeros, old
+
+            new_updates, new_inner = jax.lax.cond(finite, apply, skip)
 
         overflow = ~finite
         one = jnp.ones((), jnp.int32)
@@ -549,8 +575,8 @@ def NoOpLossScale(  # noqa: N802
 
     For bfloat16 / float32 training, so that the same step function (and
     :func:`scale_loss`, :func:`loss_scale`, :func:`overflow_stats`) works for
-    every precision mode. Floating gradients narrower than float32 are cast to
-    float32; nothing is ever skipped and ``overflow_stats`` stays at zero.
+    every precision mode. The gradients go to ``inner`` untouched (no cast, no
+    check); nothing is ever skipped and ``overflow_stats`` stays at zero.
 
     Args:
       inner: the optimizer to wrap, or ``None`` for a bare chain link.
