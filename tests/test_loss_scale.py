@@ -212,7 +212,8 @@ def test_exact_skip_leaves_adam_bit_identical():
     step = jax.jit(tx.update)
     state = tx.init(params)
     for i in range(3):
-        grads = jax.tree_util.tree_map(lambda p, i=i: (p + i) * loss_scale(state), params)
+        scale = loss_scale(state)
+        grads = jax.tree_util.tree_map(lambda p, i=i, s=scale: (p + i) * s, params)
         updates, state = step(grads, state, params)
         params = optax.apply_updates(params, updates)
     inner_before, params_before = bits(state.inner_state), bits(params)
