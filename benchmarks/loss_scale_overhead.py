@@ -62,9 +62,7 @@ def make_steps(tx_plain, tx_scaled):
         return optax.apply_updates(params, updates), opt_state, loss
 
     def scaled(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(lambda p: scale_loss(loss_fn(p, x, y), opt_state))(
-            params
-        )
+        loss, grads = jax.value_and_grad(lambda p: scale_loss(loss_fn(p, x, y), opt_state))(params)
         updates, opt_state = tx_scaled.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

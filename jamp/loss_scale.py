@@ -119,7 +119,7 @@ __all__ = [
     "scale_loss",
 ]
 
-_F32_MAX = float(np.finfo(np.float32).max)
+_SCALE_LO, _SCALE_HI = 2.0**-126, 2.0**126
 
 
 class LossScaleState(NamedTuple):
@@ -181,13 +181,13 @@ def _check_scale_value(name: str, value: float) -> float:
         value = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a positive float, got {value!r}.") from None
-    if not math.isfinite(value) or value <= 0.0 or value > _F32_MAX:
+    if not (_SCALE_LO <= value <= _SCALE_HI):  # also rejects nan and inf
         raise ValueError(
-            f"{name} must be a finite positive float32 value, got {value!r}; "
-            f"use a power of two such as 2.**16."
+            f"{name} must be a finite positive float in [2**-126, 2**126], got {value!r}: "
+            "the scale and its reciprocal must both be normal float32 numbers (XLA flushes "
+            "subnormals to zero, which would silently zero the unscaled gradients); "
+            "use a power of two such as 2.**16."
         )
-    if np.float32(value) == 0.0:
-        raise ValueError(f"{name}={value!r} underflows to 0 in float32; use a value >= 2.**-126.")
     return value
 
 
@@ -324,7 +324,7 @@ def _build(
     growth_interval: int = 1,
     hysteresis: int = 1,
     min_scale: float = 1.0,
-    max_scale: float = _F32_MAX,
+    max_scale: float = _SCALE_HI,
     axis_names: tuple[str, ...] = (),
     divergence_steps: int = 50,
 ) -> optax.GradientTransformationExtraArgs:
@@ -454,8 +454,9 @@ def DynamicLossScale(  # noqa: N802  (a constructor, named like optax.MultiSteps
       backoff_factor: multiplier on overflow, in (0, 1).
       growth_interval: consecutive finite steps before growing, >= 1.
       hysteresis: overflows tolerated before backing off, >= 1 (1 = torch).
-      min_scale: lower bound of the scale, > 0.
-      max_scale: upper bound of the scale, finite in float32.
+      min_scale: lower bound of the scale, >= 2**-126.
+      max_scale: upper bound of the scale, <= 2**126 (so that 1/scale is a
+        normal float32).
       axis_names: mesh axes to ``psum`` the overflow count over; only needed
         when ``update`` runs inside ``jax.shard_map`` on local gradient blocks.
       divergence_steps: consecutive overflows at ``min_scale`` after which
@@ -535,7 +536,7 @@ def StaticLossScale(  # noqa: N802
     counts towards ``divergence_steps``.
 
     Args:
-      scale: the loss scale, finite and > 0.
+      scale: the loss scale, in [2**-126, 2**126].
       inner: the optimizer to wrap, or ``None`` for a bare chain link.
       axis_names: mesh axes to ``psum`` the overflow count over (``shard_map``).
       divergence_steps: consecutive overflows after which ``diverged`` is set.
