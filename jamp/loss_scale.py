@@ -360,11 +360,12 @@ def _build(
 
             def skip():
                 # Zeros and the *same* inner state: exact, and no optimizer arithmetic.
-                # (astype to the traced branch's dtypes only reconciles weak types.)
-                shapes, state_shapes = jax.eval_shape(apply)
-                zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+                # apply() is traced here only for its output types (zeros_like keeps
+                # shard_map's varying axes); XLA removes it as dead code.
+                updates_like, state_like = apply()
+                zeros = jax.tree_util.tree_map(jnp.zeros_like, updates_like)
                 old = jax.tree_util.tree_map(
-                    lambda s, x: jnp.asarray(x, s.dtype), state_shapes, state.inner_state
+                    lambda n, o: jnp.asarray(o, n.dtype), state_like, state.inner_state
                 )
                 return zeros, old
 
