@@ -121,6 +121,7 @@ def _make_interceptor(mp: MixedPrecision):
             and getattr(module, "attention_fn", None) is nn.dot_product_attention
         ):
             _set_field(module, "attention_fn", attention.dot_product_attention)
+        _set_field(module, "softmax_fp32", mp.softmax_fp32)
         if context.method_name == "setup":
             return next_fun(*args, **kwargs)
         args = _cast_floating(args, policy.compute_dtype)

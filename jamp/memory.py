@@ -85,12 +85,16 @@ def _activation_bytes(loss_fn: Callable, params: Any, args: tuple) -> int | None
     except ImportError:  # pragma: no cover - depends on the JAX version
         return None
     try:
-        residuals = saved_residuals(lambda p: loss_fn(p, *args), params)
+        # Inputs are arguments (they may be ShapeDtypeStructs) but not differentiated.
+        residuals = saved_residuals(
+            lambda p, *a: loss_fn(p, *jax.tree_util.tree_map(jax.lax.stop_gradient, a)),
+            params, *args)
     except Exception:  # pragma: no cover - depends on the JAX version
         return None
     return sum(tree_bytes(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
                for aval, source in residuals
-               if not source.startswith(("from the argument", "from a constant")))
+               if not source.startswith(("from the argument", "from a constant",
+                                         "output of stop_gradient")))
 
 
 def memory_report(

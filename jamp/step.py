@@ -10,8 +10,9 @@ Example:
   >>> from flax.training import train_state
   >>> from jamp.models import vit
   >>> mp = jamp.mixed_precision("fp16")
-  >>> model = jamp.apply_policy(vit.create(
-  ...     "ti", num_classes=3, patch_size=2, num_layers=1, hidden_size=8, num_heads=2, mlp_dim=8), mp)
+  >>> module = vit.create("ti", num_classes=3, patch_size=2, num_layers=1, hidden_size=8,
+  ...                     num_heads=2, mlp_dim=8)
+  >>> model = jamp.apply_policy(module, mp)
   >>> params = nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4, 4, 1))))["params"]
   >>> state = train_state.TrainState.create(
   ...     apply_fn=model.apply, params=params, tx=jamp.make_optimizer(mp, optax.sgd(0.1)))

@@ -26,6 +26,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jamp import attention
+
 VARIANTS: dict[str, dict[str, int]] = {
     "ti": dict(hidden_size=192, num_layers=12, num_heads=3, mlp_dim=768),
     "s": dict(hidden_size=384, num_layers=12, num_heads=6, mlp_dim=1536),
@@ -59,6 +61,60 @@ class MlpBlock(nn.Module):
         return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
 
 
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with ``[embed, heads, head_dim]`` kernels.
+
+    Kernels carry logical names (``embed``, ``heads``, ``kv``) so heads shard over
+    the 'model' mesh axis (Megatron). ``dtype``/``param_dtype``/``softmax_fp32``
+    are set by the jamp policy; the softmax runs in float32 when asked and keeps
+    half-precision residuals (:mod:`jamp.attention`).
+    """
+
+    num_heads: int
+    dropout_rate: float = 0.0
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    softmax_fp32: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
+        embed = x.shape[-1]
+        head_dim = embed // self.num_heads
+        init = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=0,
+                                                out_axis=(1, 2))
+        out_init = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=(0, 1),
+                                                    out_axis=2)
+        shape = (embed, self.num_heads, head_dim)
+
+        def param(name, init_fn, shape, axes):
+            return self.param(name, _partitioned(init_fn, axes), shape, self.param_dtype)
+
+        qkv = [(param(f"{n}_kernel", init, shape, ("embed", "heads", "kv")),
+                param(f"{n}_bias", nn.initializers.zeros, shape[1:], ("heads", "kv")))
+               for n in ("query", "key", "value")]
+        out_kernel = param("out_kernel", out_init, (self.num_heads, head_dim, embed),
+                           ("heads", "kv", "embed"))
+        out_bias = param("out_bias", nn.initializers.zeros, (embed,), ("embed",))
+        x, *weights = nn.dtypes.promote_dtype(
+            x, *[w for pair in qkv for w in pair], out_kernel, out_bias, dtype=self.dtype)
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, weights[2 * i]) + weights[2 * i + 1]
+                   for i in range(3))
+        q, k, v = (nn.with_logical_constraint(t, ("batch", "seq", "heads", "kv"))
+                   for t in (q, k, v))
+        dropout_rng = None
+        if not deterministic and self.dropout_rate > 0.0:
+            dropout_rng = self.make_rng("dropout")
+        if self.softmax_fp32:
+            y = attention.dot_product_attention(
+                q, k, v, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+                deterministic=deterministic)
+        else:
+            y = nn.dot_product_attention(
+                q, k, v, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+                deterministic=deterministic)
+        return jnp.einsum("bshd,hde->bse", y, weights[-2]) + weights[-1]
+
+
 class EncoderBlock(nn.Module):
     """Pre-LN transformer block. ``__call__(x, deterministic) -> (x, None)`` for nn.scan."""
 
@@ -72,16 +128,7 @@ class EncoderBlock(nn.Module):
         ln = lambda: nn.LayerNorm(scale_init=_partitioned(nn.initializers.ones, ("embed",)),
                                   bias_init=_partitioned(nn.initializers.zeros, ("embed",)))
         y = ln()(x)
-        y = nn.MultiHeadDotProductAttention(
-            num_heads=self.num_heads,
-            kernel_init=_partitioned(nn.initializers.xavier_uniform(), ("embed", "heads", "kv")),
-            out_kernel_init=_partitioned(
-                nn.initializers.xavier_uniform(), ("heads", "kv", "embed")),
-            bias_init=_partitioned(nn.initializers.zeros, ("heads", "kv")),
-            out_bias_init=_partitioned(nn.initializers.zeros, ("embed",)),
-            dropout_rate=self.attention_dropout_rate,
-            deterministic=deterministic,
-        )(y, y)
+        y = SelfAttention(self.num_heads, self.attention_dropout_rate)(y, deterministic)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
         x = nn.with_logical_constraint(x + y, ("batch", "seq", "embed"))
         y = MlpBlock(self.mlp_dim, self.dropout_rate)(ln()(x), deterministic)

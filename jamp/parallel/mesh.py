@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "model", "pipe")
 """Mesh axis names, outermost first."""
@@ -48,20 +48,20 @@ def mesh_shape(spec: Mapping[str, int], num_devices: int) -> tuple[int, int, int
         raise ValueError(f"Unknown mesh axes {unknown}: use {', '.join(AXES)}.")
     sizes = [int(spec.get(axis, 1)) for axis in AXES]
     if sizes.count(-1) > 1:
-        raise ValueError(f"Only one mesh axis may be -1 (the rest), got {dict(zip(AXES, sizes))}.")
+        raise ValueError(f"Only one mesh axis may be -1 (the rest), got {dict(zip(AXES, sizes, strict=True))}.")
     if any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"Mesh sizes must be positive or -1, got {dict(zip(AXES, sizes))}.")
+        raise ValueError(f"Mesh sizes must be positive or -1, got {dict(zip(AXES, sizes, strict=True))}.")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
             raise ValueError(
-                f"The mesh {dict(zip(AXES, sizes))} needs the device count ({num_devices}) to be "
+                f"The mesh {dict(zip(AXES, sizes, strict=True))} needs the device count ({num_devices}) to be "
                 f"a multiple of {known}; change --config.mesh.* so their product divides it."
             )
         sizes[sizes.index(-1)] = num_devices // known
     elif known > num_devices:
         raise ValueError(
-            f"The mesh {dict(zip(AXES, sizes))} needs {known} devices but only {num_devices} "
+            f"The mesh {dict(zip(AXES, sizes, strict=True))} needs {known} devices but only {num_devices} "
             "exist; shrink --config.mesh.* or set one axis to -1."
         )
     return tuple(sizes)
@@ -80,12 +80,15 @@ def make_mesh(spec: Mapping[str, int], devices: list | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(spec, len(devices))
     count = math.prod(shape)
+    # Auto axes: shardings are hints the partitioner propagates (jax.make_mesh's
+    # default became Explicit, where with_sharding_constraint turns into an assert).
+    auto = (AxisType.Auto,) * len(AXES)
     if count == len(devices):
         try:
-            return jax.make_mesh(shape, AXES, devices=devices)
-        except (TypeError, ValueError):  # older signatures / topologies it cannot tile
+            return jax.make_mesh(shape, AXES, devices=devices, axis_types=auto)
+        except (TypeError, ValueError):  # topologies it cannot tile
             pass
-    return Mesh(np.asarray(devices[:count]).reshape(shape), AXES)
+    return Mesh(np.asarray(devices[:count]).reshape(shape), AXES, axis_types=auto)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
