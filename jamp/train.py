@@ -455,17 +455,49 @@ def _run(argv: list[str]) -> None:
     flags = _define_flags()
     if len(argv) > 1:
         raise SystemExit(f"jamp.train: unexpected arguments {argv[1:]}; see jamp.train --help.")
-    if flags.config is None:
+    try:
+        config = flags.config
+        if config is not None:
+            config.mode  # noqa: B018  (absl loads config files lazily: fail here, clearly)
+    except _PARSE_ERRORS as e:
+        raise _usage_error(e) from None
+    if config is None:
         raise SystemExit("jamp.train: --config is required, e.g. "
                          "jamp.train --config configs/vit_fp16.py (see --help).")
     workdir = flags.workdir or _default_workdir(flags["config"].value_as_string
                                                 if hasattr(flags["config"], "value_as_string")
                                                 else sys.argv[-1])
     try:
-        train_and_evaluate(flags.config, workdir)
+        train_and_evaluate(config, workdir)
     except USER_ERRORS as e:
         print(f"jamp.train: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(3 if isinstance(e, LossScaleDivergedError) else 2) from None
+
+
+def _usage_error(error: BaseException) -> SystemExit:
+    """Prints a config/flag error as one paragraph and returns the exit to raise."""
+    text = str(error)
+    if "Traceback" in text:  # absl wraps the config file's own exception with its traceback
+        text = [line for line in text.splitlines() if line.strip()][-1]
+    text = " ".join(text.strip("'\"").replace("\\n", " ").replace("\\'", "'").split())
+    print(f"jamp.train: error: {text} -- Check --config (a file such as configs/vit_fp16.py, "
+          "optionally with :model,dataset, e.g. :s16,cifar10) and the --config.key=value "
+          "overrides: keys must exist in the config (see jamp/config.py) and values must "
+          "have the field's type.", file=sys.stderr, flush=True)
+    return SystemExit(2)
+
+
+_PARSE_ERRORS = (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with config-file and override errors as one paragraph."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, *_PARSE_ERRORS) as e:
+        raise _usage_error(e) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -473,14 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     from absl import app
 
     _define_flags()
-    argv = sys.argv if argv is None else argv
-    try:
-        app.run(_run, argv=argv)
-    except Exception as e:  # absl's config parse errors
-        if type(e).__name__ in ("IllegalFlagValueError", "UnrecognizedFlagError"):
-            print(f"jamp.train: error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-        raise
+    app.run(_run, argv=sys.argv if argv is None else argv, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jamp.config import vit_config
+from jamp.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config.num_layers=1", "--config.hidden_size=16", "--config.num_heads=2",
@@ -28,6 +29,11 @@ def _cli(*args: str, workdir, timeout: float = 240) -> subprocess.CompletedProce
     return subprocess.run(
         [sys.executable, "-m", "jamp.train", *args, f"--workdir={workdir}"],
         cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
 
 
 def _tiny_config(mode="fp16", **fields):
@@ -48,14 +54,14 @@ def test_python_api_short_run_writes_metrics_checkpoint_summary_and_plot(tmp_pat
     assert 0.0 <= summary["test_accuracy"] <= 1.0
     assert summary["memory"]["residual_bytes"] > 0
     assert summary["memory"]["activation_bytes"] > 0
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    records = read_metrics(tmp_path)
     train = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in train] == [5, 10, 12]
     assert all(np.isfinite(r["train/loss"]) for r in train)
     assert any("eval/accuracy" in r for r in records)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10", "12"]
     assert (tmp_path / "training.png").stat().st_size > 10_000
-    assert json.load(open(tmp_path / "summary.json"))["steps"] == 12
+    assert _json(tmp_path / "summary.json")["steps"] == 12
 
 
 def test_sigkill_mid_run_resumes_with_same_scale_step_and_data(tmp_path):
@@ -83,14 +89,14 @@ def test_sigkill_mid_run_resumes_with_same_scale_step_and_data(tmp_path):
     assert f"Resumed from step {killed_at}" in resumed.stdout + resumed.stderr
 
     def trajectory(path):
-        rows = [json.loads(line) for line in open(path / "metrics.jsonl")]
+        rows = read_metrics(path)
         return {r["step"]: (r["train/loss"], r["train/loss_scale"], r["train/steps_skipped"])
                 for r in rows if "train/loss" in r and r["step"] > killed_at}
 
     # Same data position, step and loss scale: the continued trajectory is the reference's.
     assert trajectory(workdir) == trajectory(tmp_path / "reference")
-    ref = json.load(open(tmp_path / "reference" / "summary.json"))
-    got = json.load(open(workdir / "summary.json"))
+    ref = _json(tmp_path / "reference" / "summary.json")
+    got = _json(workdir / "summary.json")
     assert got["start_step"] == killed_at
     for key in ("test_loss", "test_accuracy", "final_loss_scale", "steps_skipped"):
         assert got[key] == ref[key], key
@@ -151,7 +157,7 @@ def test_divergence_guard_stops_with_an_explanation(tmp_path, monkeypatch):
     config.loss_scale.divergence_steps = 5
     with pytest.raises(LossScaleDivergedError, match="overflowed for 5 steps in a row"):
         train.train_and_evaluate(config, tmp_path)
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    rows = read_metrics(tmp_path)
     assert rows[-1]["train/steps_skipped"] == rows[-1]["step"]  # every step was skipped
     assert rows[-1]["step"] < 40
 

@@ -47,21 +47,22 @@ def mesh_shape(spec: Mapping[str, int], num_devices: int) -> tuple[int, int, int
     if unknown:
         raise ValueError(f"Unknown mesh axes {unknown}: use {', '.join(AXES)}.")
     sizes = [int(spec.get(axis, 1)) for axis in AXES]
+    named = dict(zip(AXES, sizes, strict=True))
     if sizes.count(-1) > 1:
-        raise ValueError(f"Only one mesh axis may be -1 (the rest), got {dict(zip(AXES, sizes, strict=True))}.")
+        raise ValueError(f"Only one mesh axis may be -1 (the rest), got {named}.")
     if any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"Mesh sizes must be positive or -1, got {dict(zip(AXES, sizes, strict=True))}.")
+        raise ValueError(f"Mesh sizes must be positive or -1, got {named}.")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
             raise ValueError(
-                f"The mesh {dict(zip(AXES, sizes, strict=True))} needs the device count ({num_devices}) to be "
+                f"The mesh {named} needs the device count ({num_devices}) to be "
                 f"a multiple of {known}; change --config.mesh.* so their product divides it."
             )
         sizes[sizes.index(-1)] = num_devices // known
     elif known > num_devices:
         raise ValueError(
-            f"The mesh {dict(zip(AXES, sizes, strict=True))} needs {known} devices but only {num_devices} "
+            f"The mesh {named} needs {known} devices but only {num_devices} "
             "exist; shrink --config.mesh.* or set one axis to -1."
         )
     return tuple(sizes)
