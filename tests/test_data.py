@@ -298,6 +298,37 @@ def test_named_dataset(mnist_dir):
     assert sorted(labels) == sorted(np.arange(13) % 10)  # tfds stores examples by key hash.
 
 
+@pytest.mark.parametrize(
+    "name,image_shape,image_size", [("mnist", (28, 28, 1), 16), ("cifar10", (32, 32, 3), 32)]
+)
+def test_named_dataset_with_tfds_mock_data(name, image_shape, image_size, tmp_path):
+    """The real TFDS path (builder, tfds.data_source, grain) on mock_data's random examples."""
+    assert not data.sources.tfds_mocked()
+    with tfds.testing.mock_data(num_examples=21, policy=tfds.testing.MockPolicy.USE_CODE):
+        assert data.sources.tfds_mocked()
+        info = data.get_dataset_info(name, tmp_path)
+        assert info == data.DatasetInfo(name, 10, image_shape, 21, 21, "train", "test")
+        loader = data.train_loader(
+            name, data_dir=tmp_path, image_size=image_size, global_batch_size=8, seed=0
+        )
+        batches = _take(iter(loader), 3)  # Across the end of the first epoch.
+        for b in batches:
+            assert b["image"].shape == (8, image_size, image_size, image_shape[-1])
+            assert b["image"].dtype == np.float32 and np.isfinite(b["image"]).all()
+            assert b["label"].shape == (8,) and b["label"].dtype == np.int32
+            assert b["label"].min() >= 0 and b["label"].max() < info.num_classes
+        batches = list(
+            data.eval_batches(name, data_dir=tmp_path, image_size=image_size, global_batch_size=8)
+        )
+        assert [int(b["mask"].sum()) for b in batches] == [8, 8, 5]
+        test = data.open_source(info, "test", tmp_path)
+        labels = np.concatenate([b["label"][b["mask"]] for b in batches])
+        np.testing.assert_array_equal(labels, [test[i]["label"] for i in range(21)])
+    assert not list(tmp_path.iterdir())  # Nothing written, nothing downloaded.
+    with pytest.raises(data.DatasetNotFoundError, match=f"tfds build {name}"):
+        data.get_dataset_info(name, tmp_path)  # Real behaviour is back.
+
+
 def test_tfrecord_only_dataset_is_refused(mnist_dir, tmp_path):
     version_dir = tmp_path / "mnist" / "3.0.1"
     shutil.copytree(f"{mnist_dir}/mnist/3.0.1", version_dir)
