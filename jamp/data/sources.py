@@ -71,7 +71,8 @@ class DatasetNotFoundError(FileNotFoundError):
       >>> try:
       ...     get_dataset_info("cifar10", "/tmp/empty")
       ... except DatasetNotFoundError as e:
-      ...     print(e)  # names the directory and the `tfds build` command
+      ...     print("tfds build cifar10" in str(e))  # names the directory and the fix
+      True
     """
 
 

@@ -10,7 +10,8 @@ shard and pipeline them; parameters and activations carry logical axis names
 Example:
   >>> import jax, jax.numpy as jnp, jamp
   >>> from jamp.models import vit
-  >>> model = jamp.apply_policy(vit.create("ti", num_classes=10, patch_size=4), "bf16")
+  >>> model = jamp.apply_policy(vit.create("ti", num_classes=10, patch_size=4, num_layers=2),
+  ...                            "bf16")
   >>> variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
   >>> model.apply(variables, jnp.zeros((2, 16, 16, 3))).shape
   (2, 10)
