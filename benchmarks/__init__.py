@@ -1,0 +1,1 @@
+"""Reproducible measurements of jamp's modes; each script writes tables to ``results/``."""

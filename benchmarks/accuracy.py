@@ -1,0 +1,151 @@
+"""Accuracy parity: the trainer's embedded-digits run in each precision mode.
+
+Runs ``jamp.train.train_and_evaluate(vit_config(mode), workdir)`` once per mode,
+one after the other (progress bar off, a fresh run directory each), and writes
+one table of final test accuracy, images/s, steps and skipped steps to
+``benchmarks/results/accuracy-<platform>-<date>.md`` and ``.json``. The
+``training.png`` of one run (``--plot-mode``, fp16 by default) is copied next to
+them for the README.
+
+Usage::
+
+  python benchmarks/accuracy.py                          # 5 modes, ~1 min each on a CPU
+  python benchmarks/accuracy.py --modes fp16 --set max_steps=2 --set num_layers=1 \\
+      --out-dir /tmp/acc                                 # smoke run
+
+Example:
+  >>> # summary = main(["--modes", "fp32", "--set", "max_steps=1", "--out-dir", "/tmp/a"])
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common  # noqa: E402
+from jamp.config import vit_config  # noqa: E402
+from jamp.train import train_and_evaluate  # noqa: E402
+
+DEFAULT_MODES = ("fp32", "fp16", "bf16", "fp16_naive", "fp16_pure")
+
+
+def _value(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def run_mode(mode: str, overrides: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Trains one mode in ``workdir``; returns the row for the table."""
+    config = vit_config(mode)
+    config.progress = False
+    for key, value in overrides.items():
+        config[key] = value
+    t0 = time.perf_counter()
+    summary = train_and_evaluate(config, str(workdir))
+    return dict(mode=summary["mode"], model=summary["model"], dataset=summary["dataset"],
+                test_accuracy=summary["test_accuracy"], test_loss=summary["test_loss"],
+                images_per_sec=summary["images_per_sec"], steps=summary["steps"],
+                steps_skipped=summary["steps_skipped"],
+                final_loss_scale=summary["final_loss_scale"],
+                wall_s=time.perf_counter() - t0, plot=summary.get("plot"))
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    """The results file: how it was run, then one row per mode."""
+    c = result["config"]
+    lines = [
+        "# Accuracy parity across precision modes (embedded digits)", "",
+        f"- command: `{result['command']}`",
+        f"- date: {result['date']}; device: {result['device']} ({result['machine']['cpus']} "
+        f"CPUs, {result['machine']['processor']}); jax {result['jax']}",
+        f"- recipe: `jamp.config.vit_config(mode)` ({c['model']}, {c['layers']}, batch "
+        f"{c['batch_size']}, {c['num_epochs']} epochs, lr {c['learning_rate']}); "
+        f"overrides: {result['overrides'] or 'none'}; runs one after another on a shared "
+        "machine (images/s are noisy and, on CPU, not a measure of half precision)",
+        f"- plot: `{result['plot']}` (mode {result['plot_mode']})" if result["plot"] else "",
+        "",
+        "| mode | test accuracy | Δ vs fp32 | images/s | steps | steps skipped | final loss scale "
+        "| wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base = next((r["test_accuracy"] for r in result["results"] if r["mode"] == "fp32"), None)
+    for r in result["results"]:
+        delta = "—" if base is None else f"{100 * (r['test_accuracy'] - base):+.2f} pt"
+        lines.append(
+            f"| {r['mode']} | {100 * r['test_accuracy']:.2f}% | {delta} "
+            f"| {common.fmt(r['images_per_sec'], ',.0f')} | {r['steps']} | {r['steps_skipped']} "
+            f"| {r['final_loss_scale']:g} | {r['wall_s']:.0f} |")
+    return "\n".join(line for line in lines if line is not None) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs every mode; writes the .md/.json (and the plot) to ``--out-dir``."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. max_steps=2 (repeatable)")
+    ap.add_argument("--plot-mode", default="fp16", help="whose training.png to keep")
+    ap.add_argument("--out-dir", default=str(common.RESULTS))
+    ap.add_argument("--workdir", default=None, help="run directories (default: a temp dir)")
+    args = ap.parse_args(argv)
+    overrides = {k.strip(): _value(v.strip())
+                 for k, _, v in (s.partition("=") for s in args.set)}
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    out_dir = Path(args.out_dir)
+    stem = f"accuracy-{jax.default_backend()}-{common.today()}"
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jamp-accuracy-") as tmp:
+        root = Path(args.workdir or tmp)
+        for mode in modes:
+            workdir = root / mode
+            if workdir.exists():
+                shutil.rmtree(workdir)  # a fresh run, never a resumed one
+            row = run_mode(mode, overrides, workdir)
+            rows.append(row)
+            print(f"accuracy: {mode:<11} {100 * row['test_accuracy']:.2f}%  "
+                  f"{common.fmt(row['images_per_sec'], ',.0f')} img/s  steps {row['steps']} "
+                  f"(skipped {row['steps_skipped']})  {row['wall_s']:.0f} s", flush=True)
+        plot = None
+        source = next((r["plot"] for r in rows if r["mode"] == args.plot_mode and r["plot"]),
+                      None)
+        if source:
+            plot = out_dir / f"{stem}-{args.plot_mode}-training.png"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, plot)
+    config = vit_config(modes[0] if modes else "fp32")
+    for key, value in overrides.items():
+        config[key] = value
+    for r in rows:
+        r.pop("plot")
+    layers = f"{config.num_layers} layers, width {config.hidden_size}"
+    result = dict(
+        benchmark="accuracy", date=common.today(), device=jax.devices()[0].device_kind,
+        platform=jax.default_backend(), jax=jax.__version__, machine=common.machine(),
+        command="python benchmarks/accuracy.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        overrides=overrides, plot_mode=args.plot_mode,
+        plot=plot.name if plot else None,
+        config=dict(model=f"ViT-{config.model}/{config.patch_size}", layers=layers,
+                    batch_size=config.batch_size, num_epochs=config.num_epochs,
+                    learning_rate=config.learning_rate, dataset=config.dataset),
+        results=rows)
+    common.write_json(out_dir / f"{stem}.json", result)
+    (out_dir / f"{stem}.md").write_text(to_markdown(result))
+    print(f"wrote {out_dir / stem}.md/.json", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""jamp vs PyTorch AMP on one device: throughput, memory, max batch and MFU per mode.
+
+Runs ``throughput.py`` (jamp) and ``torch_amp.py`` (PyTorch) as subprocesses on
+the same device, one process per mode so every peak-memory figure is that
+mode's own, then writes ``benchmarks/results/throughput-<device>-<date>.md``,
+``.json`` and ``.png`` (bar charts): per mode, jamp vs PyTorch images/s and
+their ratio, peak memory, largest batch and MFU, and the targets of the
+comparison (met / not met; not applicable on CPU, where XLA upcasts float16 and
+bfloat16 to float32 and the figures only show that the pipeline works).
+
+Usage::
+
+  python benchmarks/run_all.py                       # ViT-B/16, 224px, batch 128, on the GPU
+  python benchmarks/run_all.py --variant ti16 --image-size 64 --batch 8 --steps 5   # CPU
+
+Example:
+  >>> # result = main(["--variant", "ti4", "--image-size", "32", "--batch", "2",
+  >>> #                "--num-layers", "1", "--steps", "1", "--out-dir", "/tmp/r"])
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+JAMP_MODES = ("fp32", "fp16", "bf16", "fp16_naive", "fp16_pure", "bf16_pure")
+TORCH_FOR = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
+"""The PyTorch run each jamp mode is compared with (same precision recipe)."""
+
+REFERENCE = (
+    ("fp32", 27.2, 377.6), ("torch AMP", 20.5, 416.0), ("naive AMP", 17.0, 451.8),
+    ("apex O1", 20.2, 393.0),
+)
+"""Colossal-AI's reported ViT-B/16, batch 128, ImageNet figures (GB, img/s), for context."""
+
+
+def _run(script: str, flags: list[str], json_path: Path, timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(HERE / script), *flags, "--json", str(json_path)]
+    print("$", " ".join(cmd[1:]), flush=True)
+    env = {**os.environ}
+    # Let XLA's allocator use as much of the GPU as PyTorch may (--memory-fraction 0.95).
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    subprocess.run(cmd, check=True, timeout=timeout, env=env)
+    return json.loads(json_path.read_text())
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def merge(jamp_runs: list[dict[str, Any]], torch_runs: list[dict[str, Any]]) -> list[dict]:
+    """One row per jamp mode with its PyTorch counterpart (eager and compiled) beside it."""
+    torch_rows = {(r["mode"], r["compiled"]): r for run in torch_runs for r in run["results"]}
+    rows = []
+    jamp_rows = [r for run in jamp_runs for r in run["results"]]
+    fp32_peak = next((r["peak_bytes"] for r in jamp_rows if r["mode"] == "fp32"), None)
+    for j in jamp_rows:
+        counterpart = TORCH_FOR.get(j["mode"])
+        eager = torch_rows.get((counterpart, False), {})
+        comp = torch_rows.get((counterpart, True), {})
+        rows.append(dict(
+            mode=j["mode"], torch_mode=counterpart,
+            jamp_images_per_sec=j["images_per_sec"], jamp_step_ms=j["step_ms"],
+            torch_eager_images_per_sec=eager.get("images_per_sec"),
+            torch_compile_images_per_sec=comp.get("images_per_sec"),
+            vs_torch_eager=_ratio(j["images_per_sec"], eager.get("images_per_sec")),
+            vs_torch_compile=_ratio(j["images_per_sec"], comp.get("images_per_sec")),
+            jamp_peak_bytes=j["peak_bytes"], jamp_peak_vs_fp32=_ratio(j["peak_bytes"], fp32_peak),
+            torch_eager_peak_bytes=eager.get("peak_bytes"),
+            torch_compile_peak_bytes=comp.get("peak_bytes"),
+            jamp_xla_step_bytes=j["xla_step_bytes"],
+            jamp_jax_level_bytes=j["jax_memory"]["total_bytes"],
+            jamp_max_batch=j["max_batch"], torch_max_batch=eager.get("max_batch"),
+            jamp_mfu=j["mfu"], torch_eager_mfu=eager.get("mfu"), torch_compile_mfu=comp.get("mfu"),
+            jamp_loss_finite=j["loss_finite"], jamp_steps_skipped=j["steps_skipped"]))
+    return rows
+
+
+def targets(rows: list[dict[str, Any]], on_cpu: bool) -> list[dict[str, Any]]:
+    """The comparison's targets, each with its measured value and verdict."""
+    by = {r["mode"]: r for r in rows}
+    get = lambda mode, key: by.get(mode, {}).get(key)
+    bf16_ips, fp16_ips = get("bf16", "jamp_images_per_sec"), get("fp16", "jamp_images_per_sec")
+    checks = [
+        ("bf16 img/s vs PyTorch AMP bf16 eager", get("bf16", "vs_torch_eager"), ">=", 1.3, "x"),
+        ("bf16 img/s vs PyTorch bf16 torch.compile", get("bf16", "vs_torch_compile"), ">=", 1.0,
+         "x"),
+        ("bf16 MFU", get("bf16", "jamp_mfu"), ">=", 0.45, "%"),
+        ("fp16 img/s vs bf16 img/s", _ratio(fp16_ips, bf16_ips), ">=", 0.97, "x"),
+        ("fp16 peak memory vs fp32", get("fp16", "jamp_peak_vs_fp32"), "<=", 0.55, "x"),
+        ("bf16 peak memory vs fp32", get("bf16", "jamp_peak_vs_fp32"), "<=", 0.55, "x"),
+    ]
+    out = []
+    for name, value, op, bound, unit in checks:
+        if on_cpu:
+            verdict = "n/a on CPU"
+        elif value is None:
+            verdict = "not measured"
+        else:
+            verdict = "met" if (value >= bound if op == ">=" else value <= bound) else "not met"
+        out.append(dict(target=name, value=value, op=op, bound=bound, unit=unit, verdict=verdict))
+    return out
+
+
+def _num(value: float | None, unit: str) -> str:
+    return common.fmt(value, ".1%") if unit == "%" else common.fmt(value, ".2f", "x")
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    """The results file: what ran where, the two tables, the targets, the reference."""
+    d, c = result["device"], result["config"]
+    cpu = d["platform"] == "cpu"
+    ips = lambda v: common.fmt(v, ",.1f")
+    lines = [
+        f"# jamp vs PyTorch AMP: ViT-{c['variant']} training on {d['device_kind']}", "",
+        f"- command: `{result['command']}`",
+        f"- date: {result['date']}; device: {d['device_kind']} ({d['platform']}); peak "
+        f"{common.fmt(d['peak_tflops'], '.0f', ' TFLOP/s')} (dense bf16/fp16); host "
+        f"{d['machine']['cpus']} CPUs, 1-min load {d['machine']['load_avg_1m']}",
+        f"- software: jax {d['jax']}, optax {d['optax']}; torch {result['torch_device']['torch']}"
+        f"; PyTorch model: {result['torch_impl']}",
+        f"- step: {c['image_size']}px, batch {c['batch']}, {c['num_classes']} classes, AdamW, "
+        f"synthetic device-resident data; remat {c['remat']}; {c['warmup']} warm-up steps, "
+        f"median of {c['steps']} timed steps (block_until_ready / cuda.synchronize)",
+        f"- MFU: {common.fmt(result['flops_per_image'] / 1e9, '.2f')} GFLOP per image "
+        "(analytic, 3 x 2 x MACs) x img/s / device peak",
+    ]
+    if cpu:
+        lines += ["", "**CPU run: XLA:CPU (and PyTorch on CPU) compute float16/bfloat16 by "
+                  "upcasting, so these numbers show that the pipeline runs end to end, not what "
+                  "mixed precision gains. Peak device memory and max batch are GPU measurements "
+                  "(n/a here).**"]
+    lines += [
+        "", "## Throughput", "",
+        "| mode | jamp img/s | jamp ms/step | PyTorch eager img/s | PyTorch compile img/s "
+        "| jamp / eager | jamp / compile | jamp MFU | PyTorch compile MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        torch_name = f" (torch {r['torch_mode']})" if r["torch_mode"] else ""
+        lines.append(
+            f"| {r['mode']}{torch_name} | {ips(r['jamp_images_per_sec'])} "
+            f"| {common.fmt(r['jamp_step_ms'], ',.1f')} | {ips(r['torch_eager_images_per_sec'])} "
+            f"| {ips(r['torch_compile_images_per_sec'])} "
+            f"| {common.fmt(r['vs_torch_eager'], '.2f', 'x')} "
+            f"| {common.fmt(r['vs_torch_compile'], '.2f', 'x')} "
+            f"| {common.fmt(r['jamp_mfu'], '.1%')} | {common.fmt(r['torch_compile_mfu'], '.1%')} |")
+    lines += [
+        "", "## Memory and largest batch", "",
+        "| mode | jamp peak | vs fp32 | PyTorch eager peak | PyTorch compile peak "
+        "| jamp XLA step | jamp JAX-level | jamp max batch | PyTorch max batch |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['mode']} | {common.gib(r['jamp_peak_bytes'])} "
+            f"| {common.fmt(r['jamp_peak_vs_fp32'], '.2f', 'x')} "
+            f"| {common.gib(r['torch_eager_peak_bytes'])} "
+            f"| {common.gib(r['torch_compile_peak_bytes'])} "
+            f"| {common.gib(r['jamp_xla_step_bytes'])} "
+            f"| {common.gib(r['jamp_jax_level_bytes'])} | {common.fmt(r['jamp_max_batch'], 'd')} "
+            f"| {common.fmt(r['torch_max_batch'], 'd')} |")
+    lines += [
+        "",
+        "jamp peak: `device.memory_stats()['peak_bytes_in_use']`, one process per mode; PyTorch "
+        "peak: `torch.cuda.max_memory_allocated`. jamp XLA step: the compiled step's memory "
+        "analysis (arguments + outputs - donated + temporaries; on CPU it reflects XLA:CPU's "
+        "float32 upcasting). jamp JAX-level: `jamp.memory_report` (params + grads + optimizer "
+        "state + residuals, from dtypes; device-independent). Max batch: "
+        f"jamp {result['jamp_max_batch_method']}; PyTorch {result['torch_max_batch_method']}.",
+        "", "## Targets", "", "| target | measured | bound | verdict |", "|---|---|---|---|",
+    ]
+    for t in result["targets"]:
+        bound = _num(t["bound"], t["unit"])
+        lines.append(f"| {t['target']} | {_num(t['value'], t['unit'])} | {t['op']} {bound} "
+                     f"| {t['verdict']} |")
+    lines += ["", "## Reference (reported by Colossal-AI, ViT-B/16, batch 128, ImageNet; "
+              "not measured here)", "", "| recipe | memory | img/s |", "|---|---|---|"]
+    lines += [f"| {name} | {gb} GB | {rate} |" for name, gb, rate in REFERENCE]
+    if result.get("plot"):
+        lines += ["", f"![throughput and memory]({result['plot']})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Grouped bars: images/s (jamp, PyTorch eager, PyTorch compile) and memory per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = result["rows"]
+    modes = [r["mode"] for r in rows]
+    x = np.arange(len(modes))
+    cpu = result["device"]["platform"] == "cpu"
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    series = [("jamp", "jamp_images_per_sec"), ("PyTorch eager", "torch_eager_images_per_sec"),
+              ("PyTorch compile", "torch_compile_images_per_sec")]
+    for i, (label, key) in enumerate(series):
+        ax1.bar(x + (i - 1) * 0.27, [r[key] or 0 for r in rows], 0.27, label=label)
+    ax1.set_ylabel("images/s")
+    ax1.set_title("throughput" + (" (CPU: pipeline check, not speed)" if cpu else ""))
+    mem_key, mem_label = (("jamp_jax_level_bytes", "JAX-level bytes (memory_report)") if cpu
+                          else ("jamp_peak_bytes", "peak device memory"))
+    ax2.bar(x - 0.2, [(r[mem_key] or 0) / 2**30 for r in rows], 0.4, label=f"jamp {mem_label}")
+    if not cpu:
+        ax2.bar(x + 0.2, [(r["torch_eager_peak_bytes"] or 0) / 2**30 for r in rows], 0.4,
+                label="PyTorch eager peak")
+    ax2.set_ylabel("GiB")
+    ax2.set_title("memory")
+    for ax in (ax1, ax2):
+        ax.set_xticks(x, modes, rotation=20)
+        ax.legend(fontsize=8)
+    c = result["config"]
+    fig.suptitle(f"ViT-{c['variant']} {c['image_size']}px batch {c['batch']} on "
+                 f"{result['device']['device_kind']} ({result['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs both benchmarks and writes the comparison files."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", default="b16")
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--num-layers", type=int, default=None, help="override (smoke tests)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(JAMP_MODES), help="jamp modes")
+    ap.add_argument("--torch-modes", default="fp32,fp16,bf16")
+    ap.add_argument("--torch-compile", default="eager,compile", help="eager and/or compile")
+    ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=True,
+                    help="search the largest batch per mode (GPU only; n/a on CPU)")
+    ap.add_argument("--remat", action="store_true")
+    ap.add_argument("--timeout", type=float, default=3600, help="per subprocess, seconds")
+    ap.add_argument("--out-dir", default=str(common.RESULTS))
+    args = ap.parse_args(argv)
+
+    shared = ["--variant", args.variant, "--image-size", str(args.image_size),
+              "--batch", str(args.batch), "--steps", str(args.steps),
+              "--warmup", str(args.warmup)]
+    if args.num_layers:
+        shared += ["--num-layers", str(args.num_layers)]
+    extra = ["--max-batch"] if args.max_batch else []
+    jamp_runs, torch_runs = [], []
+    with tempfile.TemporaryDirectory(prefix="jamp-bench-") as tmp:
+        for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+            flags = shared + ["--modes", mode] + extra + (["--remat"] if args.remat else [])
+            jamp_runs.append(_run("throughput.py", flags, Path(tmp) / f"jamp-{mode}.json",
+                                  args.timeout))
+        for mode in [m.strip() for m in args.torch_modes.split(",") if m.strip()]:
+            flags = shared + ["--modes", mode, "--compile", args.torch_compile] + extra
+            torch_runs.append(_run("torch_amp.py", flags, Path(tmp) / f"torch-{mode}.json",
+                                   args.timeout))
+    device = jamp_runs[0]["device"]
+    on_cpu = device["platform"] == "cpu"
+    rows = merge(jamp_runs, torch_runs)
+    first = lambda runs, key: next((r[key] for run in runs for r in run["results"]), None)
+    result = dict(
+        benchmark="throughput", date=common.today(), device=device,
+        torch_device=torch_runs[0]["device"] if torch_runs else {"torch": "not run"},
+        command="python benchmarks/run_all.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        config=dict(variant=args.variant, image_size=args.image_size, batch=args.batch,
+                    steps=args.steps, warmup=args.warmup, remat=args.remat,
+                    num_classes=jamp_runs[0]["config"]["num_classes"],
+                    num_layers=args.num_layers),
+        flops_per_image=first(jamp_runs, "flops_per_image"),
+        torch_impl=first(torch_runs, "impl") or "not run",
+        jamp_max_batch_method=first(jamp_runs, "max_batch_method"),
+        torch_max_batch_method=next((r["max_batch_method"] for run in torch_runs
+                                     for r in run["results"] if not r["compiled"]), "not run"),
+        rows=rows, targets=targets(rows, on_cpu), jamp=jamp_runs, torch=torch_runs)
+    name = "cpu" if on_cpu else common.slug(device["device_kind"])
+    stem = Path(args.out_dir) / f"throughput-{name}-{result['date']}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    plot(result, stem.with_suffix(".png"))
+    result["plot"] = stem.with_suffix(".png").name
+    common.write_json(stem.with_suffix(".json"), result)
+    stem.with_suffix(".md").write_text(to_markdown(result))
+    print(f"wrote {stem}.md/.json/.png", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

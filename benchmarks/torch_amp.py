@@ -1,0 +1,313 @@
+"""The PyTorch baseline: the same ViT trained with AdamW in fp32, autocast fp16 and bf16.
+
+Runs timm's ``vit_<size>_patch<p>_<image>`` when timm is installed and the
+shape is one timm names (``--impl auto``), else :class:`ViT` below, the same
+architecture written with ``torch.nn`` (pre-LN blocks, fused QKV projection,
+``scaled_dot_product_attention``, class token, learned position embeddings,
+LayerNorm eps 1e-6). Modes:
+
+- ``fp32``: no autocast (TF32 matmuls on Ampere+ unless ``--no-tf32``, as XLA's
+  default precision for float32 matmuls on GPU);
+- ``fp16``: ``torch.autocast(float16)`` + ``torch.amp.GradScaler`` (torch AMP);
+- ``bf16``: ``torch.autocast(bfloat16)``, no scaler;
+
+each eager and/or under ``torch.compile`` (``--compile eager,compile``). The
+batch is synthetic and lives on the device. Reported per run, like
+``throughput.py``: images/s from the median step time (``torch.cuda.synchronize``
+after each step), peak memory (``torch.cuda.max_memory_allocated`` since a reset;
+``None`` on CPU), MFU from the analytic FLOPs, and with ``--max-batch`` the
+largest batch (multiple of 8) that trains without running out of memory, found
+by trying steps (CUDA eager only; ``None`` elsewhere).
+
+Usage::
+
+  python benchmarks/torch_amp.py                         # ViT-B/16, 224px, batch 128
+  python benchmarks/torch_amp.py --variant ti16 --image-size 64 --batch 8 --steps 5
+
+Example:
+  >>> # main(["--variant", "ti4", "--image-size", "32", "--batch", "2", "--num-layers", "1",
+  >>> #       "--steps", "1", "--warmup", "1", "--compile", "eager"])
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common  # noqa: E402
+
+TORCH_MODES = ("fp32", "fp16", "bf16")
+_AUTOCAST = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + Attn(LN(x)), then x + MLP(LN(x)).
+
+    Example:
+      >>> import torch
+      >>> Block(8, 2, 16)(torch.zeros(1, 3, 8)).shape
+      torch.Size([1, 3, 8])
+    """
+
+    def __init__(self, dim: int, heads: int, mlp_dim: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.fc1 = nn.Linear(dim, mlp_dim)
+        self.fc2 = nn.Linear(mlp_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class ViT(nn.Module):
+    """Vision Transformer classifier (class token, learned positions), NCHW input.
+
+    Example:
+      >>> import torch
+      >>> ViT(image_size=8, patch_size=4, hidden_size=8, num_layers=1, num_heads=2,
+      ...     mlp_dim=16, num_classes=3)(torch.zeros(2, 3, 8, 8)).shape
+      torch.Size([2, 3])
+    """
+
+    def __init__(self, *, image_size: int, patch_size: int, hidden_size: int, num_layers: int,
+                 num_heads: int, mlp_dim: int, num_classes: int):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, hidden_size, patch_size, stride=patch_size)
+        tokens = (image_size // patch_size) ** 2 + 1
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, hidden_size))
+        self.pos_embed = nn.Parameter(torch.randn(1, tokens, hidden_size) * 0.02)
+        self.blocks = nn.Sequential(*[Block(hidden_size, num_heads, mlp_dim)
+                                      for _ in range(num_layers)])
+        self.norm = nn.LayerNorm(hidden_size, eps=1e-6)
+        self.head = nn.Linear(hidden_size, num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
+    """timm's model where asked/available and named, else :class:`ViT`; and which one."""
+    size, patch = common.parse_variant(args.variant, args.patch_size)
+    timm_name = {"ti": "tiny", "s": "small", "b": "base", "l": "large"}[size]
+    timm_name = f"vit_{timm_name}_patch{patch}_{args.image_size}"
+    if args.impl in ("auto", "timm") and args.num_layers is None:
+        try:
+            import timm
+
+            model = timm.create_model(timm_name, num_classes=args.num_classes)
+            return model, f"timm {timm.__version__} {timm_name}"
+        except Exception:  # noqa: BLE001 - not installed, or a shape timm does not name
+            if args.impl == "timm":
+                raise
+    dims = common.vit_dims(args.variant, num_layers=args.num_layers)
+    model = ViT(image_size=args.image_size, patch_size=patch, num_classes=args.num_classes,
+                **dims)
+    return model, "benchmarks/torch_amp.py ViT (timm not used)"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_step(model: nn.Module, mode: str, device: torch.device, compiled: bool,
+              args: argparse.Namespace):
+    """Returns ``step(images, labels) -> loss`` (one AdamW update) for a mode."""
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.05,
+                            fused=fused)
+    forward = torch.compile(model, mode=args.compile_mode) if compiled else model
+    dtype = _AUTOCAST[mode]
+    scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None
+
+    def step(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        ctx = (torch.autocast(device.type, dtype=dtype) if dtype is not None
+               else contextlib.nullcontext())
+        with ctx:
+            loss = F.cross_entropy(forward(images).float(), labels)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        return loss.detach()
+
+    return step
+
+
+def synthetic_batch(args: argparse.Namespace, batch: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random NCHW images and labels on the device."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    images = torch.randn(batch, 3, args.image_size, args.image_size, generator=g)
+    labels = torch.randint(0, args.num_classes, (batch,), generator=g)
+    return images.to(device), labels.to(device)
+
+
+def max_batch(mode: str, device: torch.device, args: argparse.Namespace) -> int | None:
+    """Largest batch (multiple of 8) for which two eager steps run without CUDA OOM."""
+    model = build_model(args)[0].to(device)
+    step = make_step(model, mode, device, False, args)
+
+    def fits(batch: int) -> bool:
+        try:
+            images, labels = synthetic_batch(args, batch, device)
+            for _ in range(2):
+                step(images, labels)
+            _sync(device)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            images = labels = None
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    return common.largest_batch(fits, args.batch, granularity=8)
+
+
+def run(mode: str, compiled: bool, args: argparse.Namespace,
+        device: torch.device) -> dict[str, Any]:
+    """Measures one (mode, eager/compile) pair; returns its row of figures."""
+    torch.manual_seed(0)
+    model, impl = build_model(args)
+    model = model.to(device)
+    images, labels = synthetic_batch(args, args.batch, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    step = make_step(model, mode, device, compiled, args)
+    t0 = time.perf_counter()
+    step(images, labels)  # the first step compiles (torch.compile) / warms up
+    _sync(device)
+    first_s = time.perf_counter() - t0
+    out: dict[str, torch.Tensor] = {}
+
+    def timed():
+        out["loss"] = step(images, labels)
+        _sync(device)
+
+    times = common.time_steps(timed, warmup=max(args.warmup - 1, 0), steps=args.steps)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    flops = common.train_flops_per_image(
+        args.variant, image_size=args.image_size, patch_size=args.patch_size,
+        num_classes=args.num_classes, num_layers=args.num_layers)
+    name = common.peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    row: dict[str, Any] = dict(
+        framework="torch", mode=mode, compiled=compiled, impl=impl, batch=args.batch,
+        first_step_s=first_s, **common.summarize_times(times, args.batch), peak_bytes=peak,
+        flops_per_image=flops, final_loss=float(out["loss"]))
+    row["mfu"] = common.mfu(row["images_per_sec"], flops, name)
+    row["max_batch"], row["max_batch_method"] = None, "skipped (--max-batch not given)"
+    if args.max_batch and not compiled:
+        if device.type == "cuda":
+            del step, model, images, labels
+            gc.collect()
+            row["max_batch"] = max_batch(mode, device, args)
+            row["max_batch_method"] = (f"eager steps until CUDA OOM, memory fraction "
+                                       f"{args.memory_fraction}")
+        else:
+            row["max_batch_method"] = f"n/a on {device.type}"
+    return row
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """The device and software versions."""
+    kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return dict(platform=device.type, device_kind=kind, peak_tflops=common.peak_tflops(kind),
+                torch=torch.__version__, cuda=torch.version.cuda,
+                threads=torch.get_num_threads(), machine=common.machine())
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line flags (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", default="b16")
+    ap.add_argument("--patch-size", type=int, default=None)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--num-classes", type=int, default=1000)
+    ap.add_argument("--num-layers", type=int, default=None, help="override (smoke tests)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps, the first included")
+    ap.add_argument("--modes", default=",".join(TORCH_MODES))
+    ap.add_argument("--compile", default="eager,compile",
+                    help="comma-separated: eager and/or compile (torch.compile)")
+    ap.add_argument("--compile-mode", default=None, help="torch.compile mode")
+    ap.add_argument("--impl", choices=("auto", "timm", "local"), default="auto")
+    ap.add_argument("--learning-rate", type=float, default=1e-4)
+    ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                    help="TF32 float32 matmuls on GPU (XLA's default on GPU)")
+    ap.add_argument("--max-batch", action="store_true", help="search the largest batch (CUDA)")
+    ap.add_argument("--memory-fraction", type=float, default=0.95,
+                    help="CUDA memory fraction the process may use")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    args.patch_size = common.parse_variant(args.variant, args.patch_size or 16)[1]
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(args.modes) - set(TORCH_MODES))
+    if unknown:
+        ap.error(f"unknown mode(s) {unknown}; PyTorch modes: {', '.join(TORCH_MODES)}")
+    args.compile = [c.strip() for c in args.compile.split(",") if c.strip()]
+    if set(args.compile) - {"eager", "compile"}:
+        ap.error("--compile takes eager and/or compile")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the baseline; prints one line per run; returns (and optionally writes) results."""
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
+    info = device_info(device)
+    print(f"torch baseline: ViT-{args.variant} {args.image_size}px batch {args.batch} on "
+          f"{info['device_kind']}, torch {torch.__version__}", flush=True)
+    rows = []
+    for mode in args.modes:
+        for how in args.compile:
+            row = run(mode, how == "compile", args, device)
+            rows.append(row)
+            print(f"  {mode:<5} {how:<8} {row['images_per_sec']:9.1f} img/s  "
+                  f"step {row['step_ms']:8.1f} ms  first step {row['first_step_s']:5.1f} s  "
+                  f"peak {common.gib(row['peak_bytes'])}  MFU {common.fmt(row['mfu'], '.1%')}  "
+                  f"max batch {common.fmt(row['max_batch'], 'd')}  loss {row['final_loss']:.3f}",
+                  flush=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "modes")}
+    result = dict(benchmark="throughput", framework="torch", device=info, config=config,
+                  results=rows)
+    if args.json:
+        common.write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
