@@ -265,11 +265,25 @@ def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
 
 
 def gib(nbytes: int | None) -> str:
-    """Bytes as GiB with two decimals, ``"n/a"`` for ``None``.
+    """Bytes as GiB with two decimals (MiB below 1 GiB), ``"n/a"`` for ``None``.
 
     Example:
       >>> from benchmarks.common import gib
-      >>> gib(3 * 2**30)
-      '3.00 GiB'
+      >>> gib(3 * 2**30), gib(5 * 2**20)
+      ('3.00 GiB', '5.0 MiB')
     """
+    if nbytes is not None and nbytes < 2**30:
+        return fmt(nbytes / 2**20, ".1f", " MiB")
     return fmt(None if nbytes is None else nbytes / 2**30, ".2f", " GiB")
+
+
+def vit_label(variant: str, patch_size: int | None = None) -> str:
+    """The usual name of a ViT variant.
+
+    Example:
+      >>> from benchmarks.common import vit_label
+      >>> vit_label("ti4"), vit_label("b", 16)
+      ('ViT-Ti/4', 'ViT-B/16')
+    """
+    size, patch = parse_variant(variant, patch_size or 16)
+    return f"ViT-{'Ti' if size == 'ti' else size.upper()}/{patch}"

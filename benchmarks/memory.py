@@ -42,8 +42,7 @@ def measure(variant: str, mode: str, args: argparse.Namespace, remat: bool) -> d
          "--num-classes", str(args.num_classes)] + (["--remat"] if remat else [])
         + (["--num-layers", str(args.num_layers)] if args.num_layers else []))
     model, state = throughput.abstract_state(mode, targs)
-    size, patch = common.parse_variant(variant)
-    label = f"ViT-{size.upper() if size != 'ti' else 'Ti'}/{patch}" + (" + remat" if remat else "")
+    label = common.vit_label(variant) + (" + remat" if remat else "")
     return dict(model=label, variant=variant, remat=remat, mode=mode,
                 **throughput.jax_memory(model, state, targs).as_dict())
 

@@ -123,7 +123,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     cpu = d["platform"] == "cpu"
     ips = lambda v: common.fmt(v, ",.1f")
     lines = [
-        f"# jamp vs PyTorch AMP: ViT-{c['variant']} training on {d['device_kind']}", "",
+        f"# jamp vs PyTorch AMP: {common.vit_label(c['variant'])} training on "
+        f"{d['device_kind']}", "",
         f"- command: `{result['command']}`",
         f"- date: {result['date']}; device: {d['device_kind']} ({d['platform']}); peak "
         f"{common.fmt(d['peak_tflops'], '.0f', ' TFLOP/s')} (dense bf16/fp16); host "
@@ -224,7 +225,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xticks(x, modes, rotation=20)
         ax.legend(fontsize=8)
     c = result["config"]
-    fig.suptitle(f"ViT-{c['variant']} {c['image_size']}px batch {c['batch']} on "
+    fig.suptitle(f"{common.vit_label(c['variant'])} {c['image_size']}px batch {c['batch']} on "
                  f"{result['device']['device_kind']} ({result['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -246,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=True,
                     help="search the largest batch per mode (GPU only; n/a on CPU)")
     ap.add_argument("--remat", action="store_true")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch CPU threads (1 on a busy shared CPU host)")
     ap.add_argument("--timeout", type=float, default=3600, help="per subprocess, seconds")
     ap.add_argument("--out-dir", default=str(common.RESULTS))
     args = ap.parse_args(argv)
@@ -264,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                   args.timeout))
         for mode in [m.strip() for m in args.torch_modes.split(",") if m.strip()]:
             flags = shared + ["--modes", mode, "--compile", args.torch_compile] + extra
+            if args.torch_threads:
+                flags += ["--threads", str(args.torch_threads)]
             torch_runs.append(_run("torch_amp.py", flags, Path(tmp) / f"torch-{mode}.json",
                                    args.timeout))
     device = jamp_runs[0]["device"]

@@ -267,6 +267,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--memory-fraction", type=float, default=0.95,
                     help="CUDA memory fraction the process may use")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads (CPU; 1 avoids stalls on a busy shared host)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.patch_size = common.parse_variant(args.variant, args.patch_size or 16)[1]
@@ -284,6 +286,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the baseline; prints one line per run; returns (and optionally writes) results."""
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = args.tf32
         torch.backends.cudnn.allow_tf32 = args.tf32
