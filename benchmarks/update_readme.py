@@ -1,0 +1,214 @@
+"""Regenerates the README's performance and accuracy tables from ``benchmarks/results/``.
+
+Only the text between ``<!-- perf-table:start -->``/``<!-- perf-table:end -->`` and
+``<!-- accuracy-table:start -->``/``<!-- accuracy-table:end -->`` changes; it is
+rendered from the committed JSON results (the newest file of each kind and
+device) and the loss-scale overhead table, so the README's numbers are never
+typed by hand. ``--check`` changes nothing and exits 1 when the README is stale.
+
+Usage::
+
+  python benchmarks/update_readme.py            # rewrite the two blocks of README.md
+  python benchmarks/update_readme.py --check    # CI-style: is README.md up to date?
+
+Example:
+  >>> from benchmarks.update_readme import replace_block
+  >>> replace_block("a <!-- x:start -->old<!-- x:end --> b", "x", "new\\n")
+  'a <!-- x:start -->\\nnew\\n<!-- x:end --> b'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common  # noqa: E402
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+_NAME = re.compile(
+    r"^(?P<kind>[a-z_]+)-(?P<device>.+)-(?P<date>\d{4}-\d{2}-\d{2})\.(?P<ext>json|md)$")
+
+
+def latest(results: Path, kind: str, ext: str = "json") -> dict[str, Path]:
+    """The newest ``<kind>-<device>-<date>.<ext>`` per device, GPUs before CPU.
+
+    Example:
+      >>> from benchmarks.update_readme import latest
+      >>> import tempfile, pathlib
+      >>> d = pathlib.Path(tempfile.mkdtemp())
+      >>> for n in ("memory-cpu-2026-01-01.json", "memory-cpu-2026-02-01.json"):
+      ...     _ = (d / n).write_text("{}")
+      >>> latest(d, "memory")["cpu"].name
+      'memory-cpu-2026-02-01.json'
+    """
+    found: dict[str, tuple[str, Path]] = {}
+    for path in sorted(results.glob(f"{kind}-*.{ext}")):
+        m = _NAME.match(path.name)
+        if m and m["kind"] == kind and m["date"] >= found.get(m["device"], ("", path))[0]:
+            found[m["device"]] = (m["date"], path)
+    order = sorted(found, key=lambda device: (device == "cpu", device))
+    return {device: found[device][1] for device in order}
+
+
+def _link(path: Path) -> str:
+    return f"[`{path.name}`](benchmarks/results/{path.name})"
+
+
+def throughput_section(path: Path) -> list[str]:
+    """A compact jamp-vs-PyTorch table for one device's run_all result."""
+    r = json.loads(path.read_text())
+    d, c = r["device"], r["config"]
+    cpu = d["platform"] == "cpu"
+    lines = [
+        f"**{common.vit_label(c['variant'])}, {c['image_size']}px, batch {c['batch']}, AdamW, "
+        f"on {d['device_kind']}** ({r['date']}; {_link(path.with_suffix('.md'))}, "
+        f"`{r['command']}`)", "",
+    ]
+    if cpu:
+        lines += ["CPU run: XLA:CPU and PyTorch on CPU upcast float16/bfloat16, so this shows "
+                  "that the benchmark runs end to end, not what mixed precision gains; peak "
+                  "memory, max batch and MFU need a GPU run.", ""]
+    lines += [
+        "| mode | jamp img/s | PyTorch eager img/s | PyTorch compile img/s | jamp / eager "
+        "| jamp / compile | peak memory | vs fp32 | max batch | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        lines.append(
+            f"| {row['mode']} | {common.fmt(row['jamp_images_per_sec'], ',.1f')} "
+            f"| {common.fmt(row['torch_eager_images_per_sec'], ',.1f')} "
+            f"| {common.fmt(row['torch_compile_images_per_sec'], ',.1f')} "
+            f"| {common.fmt(row['vs_torch_eager'], '.2f', 'x')} "
+            f"| {common.fmt(row['vs_torch_compile'], '.2f', 'x')} "
+            f"| {common.gib(row['jamp_peak_bytes'])} "
+            f"| {common.fmt(row['jamp_peak_vs_fp32'], '.2f', 'x')} "
+            f"| {common.fmt(row['jamp_max_batch'], 'd')} | {common.fmt(row['jamp_mfu'], '.1%')} |")
+    met = [f"{t['target']}: {t['verdict']}" for t in r["targets"]]
+    lines += ["", "Targets (" + "; ".join(met) + ").", ""]
+    if r.get("plot"):
+        lines += [f"![jamp vs PyTorch on {d['device_kind']}](benchmarks/results/{r['plot']})", ""]
+    return lines
+
+
+def memory_section(path: Path) -> list[str]:
+    """Totals per mode and model from a memory.py result, with ratios against fp32."""
+    r = json.loads(path.read_text())
+    models = list(dict.fromkeys(row["model"] for row in r["results"]))
+    modes = list(dict.fromkeys(row["mode"] for row in r["results"]))
+    cell = {(row["model"], row["mode"]): row for row in r["results"]}
+    lines = [
+        f"**JAX-level memory of a training step** (`jamp.memory_report`: params + grads + "
+        f"AdamW state + residuals; {r['image_size']}px, batch {r['batch']}; "
+        f"{_link(path.with_suffix('.md'))}, `{r['command']}`)", "",
+        "| mode | " + " | ".join(models) + " |",
+        "|---|" + "---|" * len(models),
+    ]
+    for mode in modes:
+        cells = []
+        for model in models:
+            row = cell.get((model, mode))
+            cells.append("—" if row is None else
+                         f"{common.gib(row['total_bytes'])} "
+                         f"({common.fmt(row['total_ratio'], '.2f', 'x')})")
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def loss_scale_section(path: Path) -> list[str]:
+    """The loss-scale overhead table rows, copied from its results file."""
+    rows = [line for line in path.read_text().splitlines()
+            if re.match(r"^\| \d+ \|", line)]
+    lines = [f"**DynamicLossScale(adamw) vs adamw step time** ({_link(path)})", "",
+             "| batch | params | adamw ms/step | DynamicLossScale(adamw) ms/step | ratio "
+             "| overhead |", "|---|---|---|---|---|---|"]
+    return lines + rows + [""]
+
+
+def perf_block(results: Path) -> str:
+    """The text of the perf-table block."""
+    lines = ["Generated by `python benchmarks/update_readme.py` from `benchmarks/results/`; "
+             "reproduce the comparison with `python benchmarks/run_all.py` (defaults: ViT-B/16, "
+             "224px, batch 128, every mode, PyTorch eager and `torch.compile`).", ""]
+    throughput = latest(results, "throughput")
+    if not throughput:
+        lines += ["No throughput results yet.", ""]
+    for path in throughput.values():
+        lines += throughput_section(path)
+    for path in latest(results, "memory").values():
+        lines += memory_section(path)
+    for path in latest(results, "loss_scale_overhead", "md").values():
+        lines += loss_scale_section(path)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def accuracy_block(results: Path) -> str:
+    """The text of the accuracy-table block."""
+    lines = []
+    for path in latest(results, "accuracy").values():
+        r = json.loads(path.read_text())
+        c = r["config"]
+        base = next((x["test_accuracy"] for x in r["results"] if x["mode"] == "fp32"), None)
+        lines += [
+            f"**Accuracy parity**: {c['model']} ({c['layers']}) on the embedded {c['dataset']}, "
+            f"batch {c['batch_size']}, {c['num_epochs']} epochs, one run per mode on "
+            f"{r['device']} ({r['date']}; {_link(path.with_suffix('.md'))}, `{r['command']}`). "
+            "Generated by `python benchmarks/update_readme.py`.", "",
+            "| mode | test accuracy | vs fp32 | steps | steps skipped | final loss scale |",
+            "|---|---|---|---|---|---|",
+        ]
+        for x in r["results"]:
+            delta = "—" if base is None else f"{100 * (x['test_accuracy'] - base):+.2f} pt"
+            lines.append(f"| {x['mode']} | {100 * x['test_accuracy']:.2f}% | {delta} "
+                         f"| {x['steps']} | {x['steps_skipped']} | {x['final_loss_scale']:g} |")
+        lines.append("")
+        if r.get("plot"):
+            lines += [f"![{r['plot_mode']} training run](benchmarks/results/{r['plot']})", ""]
+    if not lines:
+        lines = ["No accuracy results yet."]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def replace_block(text: str, marker: str, content: str) -> str:
+    """Replaces what lies between ``<!-- marker:start -->`` and ``<!-- marker:end -->``."""
+    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"README has no {start} ... {end} markers (in that order).")
+    return text[:i + len(start)] + "\n" + content + text[j:]
+
+
+def render(readme_text: str, results: Path = common.RESULTS) -> str:
+    """The README text with both blocks regenerated from ``results``."""
+    text = replace_block(readme_text, "perf-table", perf_block(results))
+    return replace_block(text, "accuracy-table", accuracy_block(results))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrites (or with ``--check`` verifies) the README blocks; returns the exit code."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--readme", default=str(README))
+    ap.add_argument("--results", default=str(common.RESULTS))
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README is stale")
+    args = ap.parse_args(argv)
+    path = Path(args.readme)
+    old = path.read_text()
+    new = render(old, Path(args.results))
+    if args.check:
+        if new != old:
+            print(f"{path} is out of date: run python benchmarks/update_readme.py")
+            return 1
+        print(f"{path} is up to date")
+        return 0
+    if new != old:
+        path.write_text(new)
+    print(f"{'updated' if new != old else 'unchanged'}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
