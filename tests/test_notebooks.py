@@ -4,10 +4,11 @@ Every ``notebooks/*.ipynb`` is paired with a jupytext percent-format ``.py`` nex
 it (the file to read and review) and is committed without outputs. These tests fail if
 
 - a notebook has no ``.py`` twin, or the two differ in any cell (edit the ``.py`` and
-  run ``jupytext --to ipynb notebooks/NAME.py``; after editing the ``.ipynb`` in
-  Jupyter or Colab, run ``jupytext --to py:percent notebooks/NAME.ipynb``);
+  run ``jupytext --update --to ipynb notebooks/NAME.py``, which keeps the cell ids;
+  after editing the ``.ipynb`` in Jupyter or Colab, run ``jupytext --to py:percent
+  notebooks/NAME.ipynb``);
 - a committed ``.ipynb`` carries outputs or execution counts (``jupytext --to ipynb
-  notebooks/NAME.py`` rewrites it without them);
+  notebooks/NAME.py``, without ``--update``, rewrites it without them);
 - any cell raises when the notebook is executed in a fresh kernel (the notebooks end
   with assertions, so a silently broken notebook fails too).
 
@@ -56,7 +57,7 @@ def test_pair_in_sync(path: Path):
     from_ipynb = nbformat.read(path, as_version=4)
     assert _cells(from_py) == _cells(from_ipynb), (
         f"{path.name} and {py.name} differ. After editing {py.name}: "
-        f"`jupytext --to ipynb notebooks/{py.name}`; after editing {path.name} in "
+        f"`jupytext --update --to ipynb notebooks/{py.name}`; after editing {path.name} in "
         f"Jupyter/Colab: `jupytext --to py:percent notebooks/{path.name}`."
     )
     formats = from_ipynb.metadata.get("jupytext", {}).get("formats", "")
