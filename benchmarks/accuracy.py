@@ -32,8 +32,11 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jamp  # noqa: E402
 from benchmarks import common  # noqa: E402
 from jamp.config import vit_config  # noqa: E402
+from jamp.loss_scale import LossScaleDivergedError  # noqa: E402
+from jamp.metrics import read_metrics  # noqa: E402
 from jamp.train import train_and_evaluate  # noqa: E402
 
 DEFAULT_MODES = ("fp32", "fp16", "bf16", "fp16_naive", "fp16_pure")
@@ -53,13 +56,35 @@ def run_mode(mode: str, overrides: dict[str, Any], workdir: Path) -> dict[str, A
     for key, value in overrides.items():
         config[key] = value
     t0 = time.perf_counter()
-    summary = train_and_evaluate(config, str(workdir))
-    return dict(mode=summary["mode"], model=summary["model"], dataset=summary["dataset"],
+    try:
+        summary = train_and_evaluate(config, str(workdir))
+    except LossScaleDivergedError as e:
+        # A result, not a failure of the benchmark: record how far the mode got.
+        return diverged_row(mode, workdir, str(e), time.perf_counter() - t0)
+    return dict(mode=summary["mode"], status="ok", model=summary["model"],
                 test_accuracy=summary["test_accuracy"], test_loss=summary["test_loss"],
                 images_per_sec=summary["images_per_sec"], steps=summary["steps"],
                 steps_skipped=summary["steps_skipped"],
                 final_loss_scale=summary["final_loss_scale"],
                 wall_s=time.perf_counter() - t0, plot=summary.get("plot"))
+
+
+def diverged_row(mode: str, workdir: Path, message: str, wall_s: float) -> dict[str, Any]:
+    """The row of a run stopped by the trainer's divergence guard, from its metrics.jsonl."""
+    records = read_metrics(str(workdir))
+    train = [r for r in records if "train/loss" in r]
+    evals = [r for r in records if "eval/accuracy" in r]
+    last = train[-1] if train else {}
+    rates = [r["train/images_per_sec"] for r in train
+             if isinstance(r.get("train/images_per_sec"), float) and r["train/images_per_sec"] > 0]
+    return dict(mode=jamp.mixed_precision(mode).name,
+                status="diverged: " + message.split(":")[0].strip(),
+                test_accuracy=evals[-1]["eval/accuracy"] if evals else None,
+                test_loss=evals[-1]["eval/loss"] if evals else None,
+                images_per_sec=sorted(rates)[len(rates) // 2] if rates else None,
+                steps=last.get("step", 0), steps_skipped=last.get("train/steps_skipped", 0),
+                final_loss_scale=last.get("train/loss_scale", float("nan")),
+                wall_s=wall_s, plot=None)
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -77,17 +102,21 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"- plot: `{result['plot']}` (mode {result['plot_mode']})" if result["plot"] else "",
         "",
         "| mode | test accuracy | Δ vs fp32 | images/s | steps | steps skipped | final loss scale "
-        "| wall s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| wall s | outcome |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    base = next((r["test_accuracy"] for r in result["results"] if r["mode"] == "fp32"), None)
     for r in result["results"]:
-        delta = "—" if base is None else f"{100 * (r['test_accuracy'] - base):+.2f} pt"
+        accuracy, delta = common.accuracy_cells(r, result["results"])
         lines.append(
-            f"| {r['mode']} | {100 * r['test_accuracy']:.2f}% | {delta} "
-            f"| {common.fmt(r['images_per_sec'], ',.0f')} | {r['steps']} | {r['steps_skipped']} "
-            f"| {r['final_loss_scale']:g} | {r['wall_s']:.0f} |")
-    return "\n".join(line for line in lines if line is not None) + "\n"
+            f"| {r['mode']} | {accuracy} | {delta} | {common.fmt(r['images_per_sec'], ',.0f')} "
+            f"| {r['steps']} | {r['steps_skipped']} | {r['final_loss_scale']:g} "
+            f"| {r['wall_s']:.0f} | {r['status']} |")
+    diverged = [r for r in result["results"] if r["status"] != "ok"]
+    if diverged:
+        lines += ["", "Diverged runs were stopped by the trainer's divergence guard (the loss "
+                  "scale at its minimum and every step skipped); their accuracy is the last "
+                  "evaluation before the stop."]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -114,9 +143,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 shutil.rmtree(workdir)  # a fresh run, never a resumed one
             row = run_mode(mode, overrides, workdir)
             rows.append(row)
-            print(f"accuracy: {mode:<11} {100 * row['test_accuracy']:.2f}%  "
+            print(f"accuracy: {mode:<11} {common.accuracy_cells(row, rows)[0]}  "
                   f"{common.fmt(row['images_per_sec'], ',.0f')} img/s  steps {row['steps']} "
-                  f"(skipped {row['steps_skipped']})  {row['wall_s']:.0f} s", flush=True)
+                  f"(skipped {row['steps_skipped']})  {row['wall_s']:.0f} s  {row['status']}",
+                  flush=True)
         plot = None
         source = next((r["plot"] for r in rows if r["mode"] == args.plot_mode and r["plot"]),
                       None)

@@ -287,3 +287,19 @@ def vit_label(variant: str, patch_size: int | None = None) -> str:
     """
     size, patch = parse_variant(variant, patch_size or 16)
     return f"ViT-{'Ti' if size == 'ti' else size.upper()}/{patch}"
+
+
+def accuracy_cells(row: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """Test accuracy and its difference from the fp32 run, as table cells.
+
+    Example:
+      >>> from benchmarks.common import accuracy_cells
+      >>> accuracy_cells({"test_accuracy": 0.95}, [{"mode": "fp32", "test_accuracy": 0.96}])
+      ('95.00%', '-1.00 pt')
+    """
+    base = next((r["test_accuracy"] for r in rows if r["mode"] == "fp32"), None)
+    acc = row["test_accuracy"]
+    if acc is None:
+        return "n/a", "—"
+    delta = "—" if base is None else f"{100 * (acc - base):+.2f} pt"
+    return f"{100 * acc:.2f}%", delta
