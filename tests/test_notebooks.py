@@ -76,6 +76,18 @@ def test_committed_without_outputs(path: Path):
     assert "widgets" not in nb.metadata, f"{path.name}: widget state in the metadata"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_colab_ready(path: Path):
+    """An "Open in Colab" badge pointing at this very file, and the guarded install cell."""
+    nb = nbformat.read(path, as_version=4)
+    badge = f"colab.research.google.com/github/jamp-dev/jamp/blob/main/notebooks/{path.name}"
+    assert nb.cells[0].cell_type == "markdown" and badge in nb.cells[0].source, (
+        f"{path.name}: the first cell needs the Colab badge linking to .../{badge}")
+    setup = next(cell.source for cell in nb.cells if cell.cell_type == "code")
+    assert 'if "google.colab" in sys.modules:' in setup and "JAMP_REPO = " in setup, (
+        f"{path.name}: the first code cell must install jamp from JAMP_REPO on Colab only")
+
+
 @pytest.fixture(scope="module")
 def kernel_specs(tmp_path_factory) -> KernelSpecManager:
     """A kernelspec that runs *this* interpreter, whatever else is installed."""
