@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = dict(
         benchmark="accuracy", date=common.today(), device=jax.devices()[0].device_kind,
         platform=jax.default_backend(), jax=jax.__version__, machine=common.machine(),
-        command="python benchmarks/accuracy.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]),
+        command=common.command("accuracy.py", argv),
         overrides=overrides, plot_mode=args.plot_mode,
         plot=plot.name if plot else None,
         config=dict(model=f"ViT-{config.model}/{config.patch_size}", layers=layers,

@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -241,6 +242,18 @@ def machine() -> dict[str, Any]:
     return dict(processor=platform.processor() or platform.machine(), cpus=os.cpu_count(),
                 platform=platform.platform(), python=platform.python_version(),
                 load_avg_1m=round(os.getloadavg()[0], 2))
+
+
+def command(script: str, argv: list[str] | None) -> str:
+    """The command line that reproduces a run, for the results files.
+
+    Example:
+      >>> from benchmarks.common import command
+      >>> command("memory.py", []), command("memory.py", ["--batch", "2"])
+      ('python benchmarks/memory.py', 'python benchmarks/memory.py --batch 2')
+    """
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(["python", f"benchmarks/{script}", *args])
 
 
 def write_json(path: str | Path, obj: Any) -> Path:

@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = dict(
         benchmark="loss_scale_vit", date=common.today(), platform=jax.default_backend(),
         device=jax.devices()[0].device_kind, jax=jax.__version__, machine=common.machine(),
-        command="python benchmarks/loss_scale_vit.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]),
+        command=common.command("loss_scale_vit.py", argv),
         model=common.vit_label(args.variant), image_size=args.image_size, batch=args.batch,
         n_params=int(n_params), steps=args.steps, warmup=args.warmup,
         plain_ms=med["plain"] * 1e3, scaled_ms=med["scaled"] * 1e3, ratio=ratio,

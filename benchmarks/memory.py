@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"residuals {common.gib(r['residual_bytes'])}", flush=True)
     result = dict(
         benchmark="memory", date=common.today(), platform=jax.default_backend(),
-        jax=jax.__version__, command="python benchmarks/memory.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]),
+        jax=jax.__version__, command=common.command("memory.py", argv),
         image_size=args.image_size, batch=args.batch, num_classes=args.num_classes,
         results=with_ratios(rows))
     if not args.no_write:

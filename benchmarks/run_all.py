@@ -278,8 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = dict(
         benchmark="throughput", date=common.today(), device=device,
         torch_device=torch_runs[0]["device"] if torch_runs else {"torch": "not run"},
-        command="python benchmarks/run_all.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]),
+        command=common.command("run_all.py", argv),
         config=dict(variant=args.variant, image_size=args.image_size, batch=args.batch,
                     steps=args.steps, warmup=args.warmup, remat=args.remat,
                     num_classes=jamp_runs[0]["config"]["num_classes"],

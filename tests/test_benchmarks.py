@@ -1,0 +1,158 @@
+"""Smoke tests for benchmarks/: each script runs one step at a tiny size; nothing is timed.
+
+Also checks the analytic FLOPs, the batch search, that the PyTorch baseline is the
+same model as jamp's ViT, and that the README's generated tables are what
+``benchmarks/update_readme.py`` renders from the committed results.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import common, run_all, update_readme  # noqa: E402
+
+TINY = ["--variant", "ti4", "--image-size", "16", "--batch", "2", "--num-layers", "1",
+        "--steps", "1", "--warmup", "1"]
+
+
+def test_vit_sizes_and_flops():
+    from jamp.models import vit
+
+    assert common.VIT_SIZES == vit.VARIANTS
+    assert common.vit_macs("b16", image_size=224) == pytest.approx(17.56e9, rel=1e-3)
+    assert common.train_flops_per_image("b16", image_size=224) == pytest.approx(105.4e9, rel=1e-3)
+    assert common.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert common.peak_tflops("NVIDIA H200") == 989.0
+    assert common.peak_tflops("TFRT_CPU_0") is None
+
+
+@pytest.mark.parametrize("threshold", [7, 8, 9, 100, 128, 129, 1000, 5000])
+@pytest.mark.parametrize("start", [8, 128, 4096])
+def test_largest_batch_finds_the_boundary(threshold, start):
+    calls = []
+
+    def fits(batch):
+        calls.append(batch)
+        return batch <= threshold
+
+    expected = threshold // 8 * 8 or None
+    assert common.largest_batch(fits, start, granularity=8) == expected
+    assert len(calls) < 30
+
+
+def test_torch_baseline_is_the_same_model_as_jamp():
+    torch = pytest.importorskip("torch")
+    from benchmarks import torch_amp
+    from jamp.models import vit
+
+    args = torch_amp.parse_args(["--variant", "b16", "--impl", "local"])
+    with torch.device("meta"):
+        model, impl = torch_amp.build_model(args)
+    torch_params = sum(p.numel() for p in model.parameters())
+    module = vit.create("b16", num_classes=1000)
+    shapes = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)))
+    jamp_params = sum(x.size for x in jax.tree_util.tree_leaves(shapes))
+    assert "timm not used" in impl
+    assert torch_params == jamp_params == 86_567_656
+
+
+def test_run_all_one_step_each(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from benchmarks import throughput, torch_amp
+
+    scripts = {"throughput.py": throughput, "torch_amp.py": torch_amp}
+
+    def in_process(script, flags, json_path, timeout):  # same flags, no new interpreter
+        scripts[script].main([*flags, "--json", str(json_path)])
+        return json.loads(Path(json_path).read_text())
+
+    monkeypatch.setattr(run_all, "_run", in_process)
+    threads = torch.get_num_threads()
+    try:
+        result = run_all.main([*TINY, "--modes", "fp16", "--torch-modes", "fp16",
+                               "--torch-compile", "eager", "--torch-threads", "1",
+                               "--out-dir", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    stem = f"throughput-cpu-{common.today()}"
+    assert {p.name for p in tmp_path.iterdir()} == {f"{stem}.{e}" for e in ("md", "json", "png")}
+    (row,) = result["rows"]
+    assert row["mode"] == "fp16" and row["torch_mode"] == "fp16"
+    assert row["jamp_images_per_sec"] > 0 and row["torch_eager_images_per_sec"] > 0
+    assert row["jamp_loss_finite"] and row["jamp_jax_level_bytes"] > 0
+    assert row["jamp_max_batch"] is None and row["jamp_peak_bytes"] is None  # CPU
+    assert {t["verdict"] for t in result["targets"]} == {"n/a on CPU"}
+    assert "CPU run" in (tmp_path / f"{stem}.md").read_text()
+
+
+def test_memory_every_mode(tmp_path):
+    from benchmarks import memory
+
+    result = memory.main(["--models", "ti4", "--image-size", "16", "--batch", "2",
+                          "--num-layers", "1", "--modes", "fp32,bf16,O2", "--remat", "",
+                          "--out-dir", str(tmp_path)])
+    rows = {r["mode"]: r for r in result["results"]}
+    assert set(rows) == {"fp32", "bf16", "fp16_naive"}
+    assert rows["fp32"]["residual_ratio"] == 1.0
+    assert rows["bf16"]["residual_ratio"] < 0.75
+    # Half-precision params, norms kept in float32; fp32 master copies in the optimizer.
+    assert rows["fp16_naive"]["params_bytes"] < 0.51 * rows["fp32"]["params_bytes"]
+    assert rows["fp16_naive"]["opt_state_bytes"] > rows["fp32"]["opt_state_bytes"]
+    assert (tmp_path / f"memory-cpu-{common.today()}.md").exists()
+
+
+def test_loss_scale_vit_one_step(tmp_path):
+    from benchmarks import loss_scale_vit
+
+    result = loss_scale_vit.main([*TINY, "--warmup", "0", "--out-dir", str(tmp_path)])
+    assert result["steps_skipped"] == 0 and result["ratio"] > 0
+    assert (tmp_path / f"loss_scale_vit-cpu-{common.today()}.md").exists()
+
+
+def test_accuracy_one_step(tmp_path):
+    from benchmarks import accuracy
+
+    result = accuracy.main(["--modes", "fp16", "--set", "max_steps=1", "--set", "num_layers=1",
+                            "--set", "hidden_size=16", "--set", "num_heads=2",
+                            "--set", "mlp_dim=32", "--out-dir", str(tmp_path)])
+    (row,) = result["results"]
+    assert row["mode"] == "fp16" and row["steps"] == 1 and 0.0 <= row["test_accuracy"] <= 1.0
+    stem = f"accuracy-cpu-{common.today()}"
+    assert (tmp_path / f"{stem}.md").exists() and (tmp_path / f"{stem}-fp16-training.png").exists()
+
+
+def test_readme_tables_are_generated_from_committed_results(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    assert update_readme.render(readme) == readme, "run python benchmarks/update_readme.py"
+    copy = tmp_path / "README.md"
+    copy.write_text(readme)
+    assert update_readme.main(["--readme", str(copy), "--check"]) == 0
+    stale = update_readme.replace_block(readme, "perf-table", "typed by hand\n")
+    copy.write_text(stale)
+    assert update_readme.main(["--readme", str(copy), "--check"]) == 1
+    assert update_readme.main(["--readme", str(copy)]) == 0
+    assert copy.read_text() == readme
+
+
+def test_accuracy_records_a_diverged_run(tmp_path):
+    from benchmarks import accuracy
+
+    records = [{"step": 10, "train/loss": 2.0, "train/loss_scale": 1.0,
+                "train/steps_skipped": 3, "train/images_per_sec": 500.0},
+               {"step": 20, "eval/accuracy": 0.25, "eval/loss": 2.1},
+               {"step": 30, "train/loss": float("nan"), "train/loss_scale": 1.0,
+                "train/steps_skipped": 13, "train/images_per_sec": 700.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    row = accuracy.diverged_row("O3", tmp_path, "Training stopped at step 30: ...", 1.0)
+    assert row["mode"] == "fp16_pure" and row["status"] == "diverged: Training stopped at step 30"
+    assert (row["steps"], row["steps_skipped"], row["test_accuracy"]) == (30, 13, 0.25)
+    assert common.accuracy_cells(row, [row]) == ("25.00%", "—")
