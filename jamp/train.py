@@ -10,6 +10,12 @@ field and unknown keys are rejected. The run directory gets ``metrics.jsonl``,
 TensorBoard events, orbax checkpoints (resumed automatically), ``summary.json``
 and ``training.png``.
 
+The ``config.mesh`` axes (data, model, pipe) give data, tensor (Megatron) and
+GPipe pipeline parallelism (``jamp/parallel``). Multi-host runs start one
+process per host (or per GPU) under SLURM, Open MPI, torchrun-style variables
+or ``--coordinator host:port --num_processes N --process_id i``; only process
+0 writes metrics, plots and the summary. See ``docs/scaling_out.md``.
+
 The Python API behind it is :func:`train_and_evaluate`.
 
 Example:
@@ -45,7 +51,7 @@ from jamp.memory import MemoryReport, memory_report
 from jamp.metrics import MetricsWriter, plot_run
 from jamp.models import vit
 from jamp.policy import MixedPrecision, mixed_precision
-from jamp.step import cross_entropy, eval_step, make_optimizer, train_step
+from jamp.step import cross_entropy, eval_step, make_optimizer
 
 
 class ConfigError(ValueError):
@@ -130,17 +136,7 @@ def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
         mesh = parallel.make_mesh(config.mesh.to_dict())
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    data_size = mesh.shape["data"]
-    if config.batch_size <= 0 or config.batch_size % data_size:
-        raise ConfigError(
-            f"--config.batch_size={config.batch_size} is not divisible by the {data_size} "
-            f"devices of the mesh's 'data' axis. Use a multiple of {data_size} (e.g. "
-            f"{max(data_size, config.batch_size // data_size * data_size)}) or change "
-            "--config.mesh.data.")
-    if config.batch_size % jax.process_count():
-        raise ConfigError(
-            f"--config.batch_size={config.batch_size} is not divisible by the "
-            f"{jax.process_count()} processes.")
+    _check_batch(config, mesh)
     info = data.get_dataset_info(config.dataset, config.data_dir)
     model_overrides = {k: config[k] for k in ("num_layers", "hidden_size", "num_heads",
                                               "mlp_dim") if config[k] is not None}
@@ -148,9 +144,11 @@ def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
         module = vit.create(config.model, num_classes=info.num_classes,
                             patch_size=config.patch_size, dropout_rate=config.dropout_rate,
                             remat=config.remat, scan_layers=config.scan_layers,
+                            pipeline_microbatches=config.pipeline_microbatches,
                             **model_overrides)
     except ValueError as e:
         raise ConfigError(f"--config.model: {e}") from None
+    _check_model_split(config, mesh, module)
     if config.image_size % config.patch_size:
         raise ConfigError(
             f"--config.image_size={config.image_size} is not divisible by "
@@ -165,6 +163,50 @@ def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
     tx = build_optimizer(config, total_steps, mp)
     return Experiment(config, mp, mesh, info, apply_policy(module, mp), tx,
                       steps_per_epoch, total_steps)
+
+
+def _check_batch(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
+    """The global batch must split over processes, 'data' shards and pipeline microbatches."""
+    data_size, stages = mesh.shape["data"], mesh.shape["pipe"]
+    microbatches = config.pipeline_microbatches if stages > 1 else 1
+    if microbatches < 1:
+        raise ConfigError(
+            f"--config.pipeline_microbatches={microbatches} must be at least 1 (at least "
+            f"{stages}, the pipeline stages, to keep the bubble (S-1)/(M+S-1) small).")
+    split = data_size * microbatches
+    if config.batch_size <= 0 or config.batch_size % split:
+        what = (f"the {data_size} devices of the mesh's 'data' axis" if microbatches == 1 else
+                f"{data_size} 'data' shards x {microbatches} pipeline microbatches = {split}")
+        change = "--config.mesh.data" + (
+            " or --config.pipeline_microbatches" if microbatches > 1 else "")
+        raise ConfigError(
+            f"--config.batch_size={config.batch_size} is not divisible by {what}. Use a "
+            f"multiple of {split} (e.g. {max(split, config.batch_size // split * split)}) "
+            f"or change {change}.")
+    if config.batch_size % jax.process_count():
+        raise ConfigError(
+            f"--config.batch_size={config.batch_size} is not divisible by the "
+            f"{jax.process_count()} processes.")
+
+
+def _check_model_split(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
+                       module: nn.Module) -> None:
+    """Heads and MLP units must split over 'model', the layers over 'pipe'."""
+    tp, stages = mesh.shape["model"], mesh.shape["pipe"]
+    for name, value in (("num_heads", module.num_heads), ("mlp_dim", module.mlp_dim)):
+        if value % tp:
+            raise ConfigError(
+                f"{name}={value} cannot be split over the {tp} devices of the mesh's 'model' "
+                f"axis (tensor parallelism shards it): change --config.{name} or "
+                "--config.mesh.model.")
+    if stages > 1 and not config.scan_layers:
+        raise ConfigError(
+            f"--config.mesh.pipe={stages} needs --config.scan_layers=True: the pipeline splits "
+            "the scanned encoder blocks into stages.")
+    if module.num_layers % stages:
+        raise ConfigError(
+            f"num_layers={module.num_layers} cannot be split into {stages} pipeline stages: "
+            "change --config.num_layers or --config.mesh.pipe to divide it.")
 
 
 def _create_state(exp: Experiment, rng: jax.Array) -> train_state.TrainState:
@@ -183,6 +225,33 @@ def state_shardings(exp: Experiment, rng: jax.Array) -> tuple[Any, Any]:
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         nn.unbox(boxed), shardings)
     return abstract, shardings
+
+
+def init_state(exp: Experiment, rng: jax.Array, shardings: Any) -> train_state.TrainState:
+    """The initial train state, created sharded (call under ``jax.set_mesh(exp.mesh)``).
+
+    Example:
+      >>> # with jax.set_mesh(exp.mesh): state = init_state(exp, rng, shardings)
+    """
+    return jax.jit(lambda r: nn.unbox(_create_state(exp, r)), out_shardings=shardings)(rng)
+
+
+def jit_train_step(exp: Experiment, shardings: Any):
+    """``step(state, batch, rng) -> (state, metrics)``: the jitted data/tensor/pipeline step.
+
+    Call it under ``jax.set_mesh(exp.mesh)`` and ``nn.logical_axis_rules(
+    parallel.LOGICAL_AXIS_RULES)``; the state argument is donated.
+
+    Example:
+      >>> # with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+      >>> #     state, metrics = jit_train_step(exp, shardings)(state, batch, rng)
+    """
+    param_specs = jax.tree_util.tree_map(lambda s: s.spec, shardings.params)
+    smoothing = exp.config.label_smoothing
+    return jax.jit(
+        lambda s, b, r: parallel.step.train_step(s, b, r, smoothing, param_specs),
+        in_shardings=(shardings, parallel.batch_sharding(exp.mesh), None),
+        out_shardings=(shardings, None), donate_argnums=(0,))
 
 
 # ----------------------------------------------------------------------------- running
@@ -214,7 +283,9 @@ def step_memory_report(exp: Experiment, state: train_state.TrainState) -> Memory
     labels = jax.ShapeDtypeStruct((per_device,), jnp.int32)
 
     def loss_fn(params, x, y):
-        return cross_entropy(exp.model.apply({"params": params}, x, train=True), y)
+        logits = exp.model.apply({"params": params}, x, train=True,
+                                 rngs={"dropout": jax.random.key(0)})
+        return cross_entropy(logits, y)
 
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                       state.params)
@@ -301,15 +372,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             progress.write(f"Resumed from step {start} ({ckpt.directory}).")
             progress.update(start)
         else:
-            state = jax.jit(lambda r: nn.unbox(_create_state(exp, r)),
-                            out_shardings=shardings)(rng)
+            state = init_state(exp, rng, shardings)
     with jax.set_mesh(exp.mesh), nn.logical_axis_rules(rules):
-        batch_sharding = parallel.batch_sharding(exp.mesh)
-        p_train = jax.jit(
-            lambda s, b, r: train_step(s, b, r, config.label_smoothing),
-            in_shardings=(shardings, batch_sharding, None),
-            out_shardings=(shardings, None), donate_argnums=(0,))
-        p_eval = jax.jit(eval_step, in_shardings=(shardings, batch_sharding))
+        p_train = jit_train_step(exp, shardings)
+        p_eval = jax.jit(eval_step, in_shardings=(shardings, parallel.batch_sharding(exp.mesh)))
         memory = step_memory_report(exp, state)
 
         summary = _loop(exp, state, iterator, p_train, p_eval, ckpt, writer, progress, start,
@@ -402,7 +468,24 @@ def _loop(exp, state, iterator: Iterator, p_train, p_eval, ckpt: Checkpointer,
         "final_loss_scale": float(jax.device_get(loss_scale(state.opt_state))),
         "devices": exp.mesh.devices.size,
         "mesh": dict(exp.mesh.shape),
+        "pipeline_bubble": _pipeline_bubble(exp),
+        "param_norm": float(jax.device_get(_param_norm(state.params))),
     }
+
+
+def _pipeline_bubble(exp: Experiment) -> float:
+    """Idle fraction (S-1)/(M+S-1) of the GPipe schedule; 0 without a pipeline."""
+    stages = exp.mesh.shape["pipe"]
+    if stages == 1:
+        return 0.0
+    return parallel.pipeline.bubble_fraction(stages, exp.config.pipeline_microbatches)
+
+
+@jax.jit
+def _param_norm(params: Any) -> jax.Array:
+    """Global L2 norm of the parameters in float32 (a cheap checksum of the final model)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
 
 
 def format_summary(summary: dict[str, Any], memory: MemoryReport) -> str:
@@ -417,6 +500,9 @@ def format_summary(summary: dict[str, Any], memory: MemoryReport) -> str:
         f"final loss scale {summary['final_loss_scale']:g})",
         f"throughput      {'n/a' if ips is None else f'{ips:,.0f} images/s'} "
         f"on {summary['devices']} device(s)",
+        "mesh            " + " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
+        + (f" (pipeline bubble {100 * summary['pipeline_bubble']:.0f}%)"
+           if summary.get("pipeline_bubble") else ""),
         "memory (per device-batch, JAX-level):",
         *("  " + line for line in str(memory).splitlines()),
     ]
@@ -445,6 +531,11 @@ def _define_flags():
             lock_config=True)
         flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>). "
                             "An existing run there is resumed.")
+        flags.DEFINE_string("coordinator", None, "Multi-process runs: host:port of process 0's "
+                            "jax.distributed coordinator (with --num_processes, --process_id). "
+                            "Not needed under SLURM, Open MPI or torchrun-style variables.")
+        flags.DEFINE_integer("num_processes", None, "Multi-process runs: number of processes.")
+        flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index.")
     return flags.FLAGS
 
 
@@ -467,6 +558,11 @@ def _run(argv: list[str]) -> None:
     workdir = flags.workdir or _default_workdir(flags["config"].value_as_string
                                                 if hasattr(flags["config"], "value_as_string")
                                                 else sys.argv[-1])
+    try:
+        parallel.launch.initialize(flags.coordinator, flags.num_processes, flags.process_id)
+    except ValueError as e:
+        print(f"jamp.train: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     try:
         train_and_evaluate(config, workdir)
     except USER_ERRORS as e:

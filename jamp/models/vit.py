@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jamp import attention
+from jamp.parallel import pipeline
 
 VARIANTS: dict[str, dict[str, int]] = {
     "ti": dict(hidden_size=192, num_layers=12, num_heads=3, mlp_dim=768),
@@ -138,7 +139,15 @@ class EncoderBlock(nn.Module):
 
 
 class Encoder(nn.Module):
-    """``num_layers`` encoder blocks, stacked with ``nn.scan`` or unrolled."""
+    """``num_layers`` encoder blocks, stacked with ``nn.scan`` or unrolled.
+
+    Under a mesh whose 'pipe' axis has ``S > 1`` devices (``jax.set_mesh``), the
+    scanned stack runs as a GPipe pipeline of ``S`` stages over
+    ``pipeline_microbatches`` microbatches (:mod:`jamp.parallel.pipeline`): each
+    stage applies the same ``nn.scan``-ed blocks to its ``num_layers / S`` layers,
+    inside whatever precision policy wraps the model. The parameters are the same
+    either way.
+    """
 
     num_layers: int
     num_heads: int
@@ -147,6 +156,7 @@ class Encoder(nn.Module):
     attention_dropout_rate: float = 0.0
     scan_layers: bool = True
     remat: bool = False
+    pipeline_microbatches: int = 4
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
@@ -157,19 +167,40 @@ class Encoder(nn.Module):
                       dropout_rate=self.dropout_rate,
                       attention_dropout_rate=self.attention_dropout_rate)
         if self.scan_layers:
-            stack = nn.scan(
+            stack = lambda length: nn.scan(
                 block_cls,
                 variable_axes={"params": 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=nn.broadcast,
-                length=self.num_layers,
+                length=length,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = stack(**kwargs, name="layers")(x, deterministic)
+            stages = pipeline.num_stages()  # the mesh's 'pipe' axis
+            if stages > 1 and not self.is_initializing():
+                return self._pipelined(stack(self.num_layers // stages)(**kwargs, parent=None),
+                                       x, deterministic)
+            x, _ = stack(self.num_layers)(**kwargs, name="layers")(x, deterministic)
         else:
             for i in range(self.num_layers):
                 x, _ = block_cls(**kwargs, name=f"layers_{i}")(x, deterministic)
         return x
+
+    def _pipelined(self, stage: nn.Module, x: jax.Array, deterministic: bool) -> jax.Array:
+        """Applies the stacked ``layers`` params as pipeline stages of ``stage`` (unbound)."""
+        layer_params = nn.unbox(self.variables["params"]["layers"])
+        rng = None
+        if not deterministic and (self.dropout_rate or self.attention_dropout_rate):
+            rng = self.make_rng("dropout")
+
+        def stage_fn(params, h, microbatch):
+            rngs = {}
+            if rng is not None:
+                key = jax.random.fold_in(rng, jax.lax.axis_index(pipeline.PIPE))
+                rngs["dropout"] = jax.random.fold_in(key, microbatch)
+            return stage.apply({"params": params}, h, deterministic, rngs=rngs)[0]
+
+        return pipeline.pipelined(stage_fn, layer_params, x,
+                                  microbatches=self.pipeline_microbatches)
 
 
 class ViT(nn.Module):
@@ -182,6 +213,8 @@ class ViT(nn.Module):
       dropout_rate, attention_dropout_rate: dropout probabilities.
       scan_layers: stack the blocks with ``nn.scan`` (params get a ``layers`` axis).
       remat: rematerialise each block in the backward pass (saves activations).
+      pipeline_microbatches: microbatches of the GPipe schedule when the mesh has
+        a 'pipe' axis of size > 1 (see :class:`Encoder`).
     """
 
     num_classes: int
@@ -194,6 +227,7 @@ class ViT(nn.Module):
     attention_dropout_rate: float = 0.0
     scan_layers: bool = True
     remat: bool = False
+    pipeline_microbatches: int = 4
 
     @nn.compact
     def __call__(self, images: jax.Array, train: bool = False) -> jax.Array:
@@ -226,7 +260,7 @@ class ViT(nn.Module):
         x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
         x = Encoder(self.num_layers, self.num_heads, self.mlp_dim, self.dropout_rate,
                     self.attention_dropout_rate, self.scan_layers, self.remat,
-                    name="encoder")(x, not train)
+                    self.pipeline_microbatches, name="encoder")(x, not train)
         x = nn.LayerNorm(scale_init=_partitioned(nn.initializers.ones, ("embed",)),
                          bias_init=_partitioned(nn.initializers.zeros, ("embed",)),
                          name="encoder_norm")(x[:, 0])

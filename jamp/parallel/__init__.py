@@ -1,5 +1,18 @@
-"""Device meshes, logical axis rules and sharding helpers for jamp's trainer."""
+"""Device meshes, logical axis rules, data/tensor/pipeline parallel training, multi-host launch.
 
+- :mod:`~jamp.parallel.mesh`: the ('data', 'model', 'pipe') mesh and logical axis rules;
+- :mod:`~jamp.parallel.data_parallel`: gradients all-reduced in each parameter's dtype;
+- :mod:`~jamp.parallel.pipeline`: the GPipe schedule over 'pipe' (``jax.shard_map``);
+- :mod:`~jamp.parallel.step`: the train step that combines them;
+- :mod:`~jamp.parallel.launch`: ``jax.distributed`` from flags, SLURM, Open MPI or torchrun.
+
+Example:
+  >>> from jamp import parallel
+  >>> parallel.mesh_shape({"data": -1, "model": 2, "pipe": 2}, num_devices=8)
+  (2, 2, 2)
+"""
+
+from jamp.parallel import data_parallel, launch, pipeline, step
 from jamp.parallel.mesh import (
     AXES,
     LOGICAL_AXIS_RULES,
@@ -9,5 +22,5 @@ from jamp.parallel.mesh import (
     replicated,
 )
 
-__all__ = ["AXES", "LOGICAL_AXIS_RULES", "batch_sharding", "make_mesh", "mesh_shape",
-           "replicated"]
+__all__ = ["AXES", "LOGICAL_AXIS_RULES", "batch_sharding", "data_parallel", "launch",
+           "make_mesh", "mesh_shape", "pipeline", "replicated", "step"]

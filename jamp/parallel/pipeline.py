@@ -1,0 +1,183 @@
+"""GPipe pipeline parallelism over the 'pipe' mesh axis with ``jax.shard_map``.
+
+A stack of identical layers whose parameters have a leading layer axis (the
+``nn.scan``-ed encoder of :mod:`jamp.models.vit`) is split into ``S`` contiguous
+stages, one per position on the 'pipe' mesh axis (``in_specs=P('pipe')`` on the
+layer axis). The batch is split into ``M`` microbatches and run through the
+GPipe schedule: at tick ``t`` stage ``s`` works on microbatch ``t - s`` and
+hands its output to stage ``s + 1`` with ``jax.lax.ppermute``. The schedule has
+``M + S - 1`` ticks, so a fraction ``(S - 1) / (M + S - 1)`` of each stage's
+time is bubble; bubble slots compute on zeros, so every value stays finite and
+the loss-scale overflow check only ever sees real overflows. ``jax.grad``
+differentiates straight through the schedule (the transpose of a ``ppermute``
+is the reverse ``ppermute``), which gives GPipe's backward pass.
+
+Only the ``'pipe'`` axis is manual inside the schedule: the other mesh axes
+stay automatic, so the stages are still data- and tensor-parallel through the
+logical axis rules.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jamp.parallel import make_mesh, pipeline
+  >>> mesh = make_mesh({"data": 1, "model": 1, "pipe": 2})
+  >>> weights = jnp.arange(1.0, 5.0)                     # 4 "layers": x -> x * w
+  >>> stage = lambda w, x, mb: x * jnp.prod(w)           # a stage = its 2 layers
+  >>> with jax.set_mesh(mesh):
+  ...     y = pipeline.pipelined(stage, weights, jnp.ones((8, 3)), microbatches=4)
+  >>> y[0].tolist()
+  [24.0, 24.0, 24.0]
+  >>> pipeline.bubble_fraction(stages=2, microbatches=4)
+  0.2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+PIPE = "pipe"
+"""The mesh axis the stages are laid out on."""
+
+StageFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
+"""``stage_fn(stage_params, x, microbatch_index) -> y`` with ``y`` shaped like ``x``."""
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The idle fraction ``(S - 1) / (M + S - 1)`` of a GPipe schedule.
+
+    Example:
+      >>> from jamp.parallel.pipeline import bubble_fraction
+      >>> bubble_fraction(stages=4, microbatches=13)
+      0.1875
+    """
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def num_stages(axis_name: str = PIPE) -> int:
+    """Pipeline stages in the current mesh (``jax.set_mesh``): the size of ``axis_name``.
+
+    1 outside a mesh or when the mesh has no such axis.
+
+    Example:
+      >>> import jax
+      >>> from jamp.parallel import make_mesh, pipeline
+      >>> with jax.set_mesh(make_mesh({"data": 1, "model": 1, "pipe": 2})):
+      ...     pipeline.num_stages()
+      2
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis_name not in mesh.axis_names:
+        return 1
+    return mesh.shape[axis_name]
+
+
+def _is_manual(axis_name: str) -> bool:
+    return axis_name in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def gpipe(stage_fn: StageFn, stage_params: Any, inputs: jax.Array, *,
+          axis_name: str = PIPE) -> jax.Array:
+    """The GPipe schedule, to be called inside ``jax.shard_map`` manual over ``axis_name``.
+
+    Args:
+      stage_fn: ``stage_fn(stage_params, x, microbatch_index) -> y``, ``y`` shaped
+        like ``x``: this stage's layers. ``microbatch_index`` (int32 scalar) lets
+        it fold per-microbatch randomness (dropout) into its keys.
+      stage_params: this stage's parameters (varying over ``axis_name``).
+      inputs: ``[M, ...]`` microbatches, the same on every stage.
+
+    Returns:
+      ``[M, ...]``: the last stage's outputs, on every stage.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jamp.parallel import make_mesh
+      >>> from jamp.parallel.pipeline import gpipe
+      >>> mesh = make_mesh({"data": 1, "model": 1, "pipe": 2})
+      >>> run = jax.shard_map(lambda w, x: gpipe(lambda w, x, i: x + w.sum(), w, x),
+      ...                     mesh=mesh, in_specs=(P("pipe"), P()), out_specs=P())
+      >>> run(jnp.array([1.0, 2.0]), jnp.zeros((3, 2)))[:, 0].tolist()
+      [3.0, 3.0, 3.0]
+    """
+    stages = jax.lax.axis_size(axis_name)
+    stage = jax.lax.axis_index(axis_name)
+    microbatches = inputs.shape[0]
+    # Stage 0 reads microbatch t at tick t; after the last one it is fed zeros.
+    feed = jnp.concatenate(
+        [inputs, jnp.zeros((stages - 1, *inputs.shape[1:]), inputs.dtype)])
+    forward = [(i, i + 1) for i in range(stages - 1)]
+
+    def tick(carry, xs):
+        received = carry
+        t, fresh = xs
+        x = jnp.where(stage == 0, fresh, received)
+        y = stage_fn(stage_params, x, jnp.clip(t - stage, 0, microbatches - 1))
+        # Stage s + 1 gets y next tick; stage 0 receives zeros (ppermute fills gaps).
+        return jax.lax.ppermute(y, axis_name, forward), y
+
+    # Before its first microbatch arrives, stage s > 0 computes on zeros.
+    start = jax.lax.pcast(jnp.zeros_like(inputs[0]), axis_name, to="varying")
+    ticks = jnp.arange(microbatches + stages - 1, dtype=jnp.int32)
+    _, outputs = jax.lax.scan(tick, start, (ticks, feed))
+    # The last stage emits microbatch m at tick m + S - 1; keep only its outputs and
+    # give them to every stage (a sum in which the other stages add zeros: exact).
+    last = jnp.where(stage == stages - 1, outputs[stages - 1:], jnp.zeros_like(inputs))
+    return jax.lax.psum(last, axis_name)
+
+
+def pipelined(stage_fn: StageFn, layer_params: Any, x: jax.Array, *, microbatches: int,
+              axis_name: str = PIPE) -> jax.Array:
+    """Runs ``[L, ...]``-stacked layers as a GPipe pipeline over ``axis_name`` of the mesh.
+
+    ``x`` (``[B, ...]``) is split into ``microbatches`` interleaved microbatches
+    (example ``i`` goes to microbatch ``i % M``, so a batch sharded over 'data'
+    keeps every microbatch sharded over 'data' too); the ``L`` layers into
+    ``S`` stages of ``L / S`` consecutive layers. Must run under ``jax.set_mesh``.
+    Inside a ``jax.shard_map`` that is already manual over ``axis_name``,
+    ``layer_params`` are this stage's ``[L / S, ...]`` slice and the schedule
+    runs in place (JAX cannot differentiate a ``shard_map`` nested in one over
+    another axis, so :mod:`jamp.parallel.step` makes 'data' and 'pipe' manual
+    together).
+
+    Args:
+      stage_fn: ``stage_fn(stage_params, x, microbatch_index) -> y`` applying
+        ``L / S`` layers whose parameters have a leading ``L / S`` axis.
+      layer_params: pytree of ``[L, ...]`` arrays (``[L / S, ...]`` when manual).
+      x: ``[B, ...]`` activations, ``B`` divisible by ``microbatches``.
+      microbatches: ``M``, the number of microbatches.
+
+    Returns:
+      ``[B, ...]``, what applying all ``L`` layers in order to ``x`` gives.
+
+    Raises:
+      ValueError: ``B`` not divisible by ``M`` or ``L`` not divisible by ``S``.
+
+    Example: see the module docstring.
+    """
+    stages = num_stages(axis_name)
+    batch = x.shape[0]
+    if microbatches < 1 or batch % microbatches:
+        raise ValueError(
+            f"The batch of {batch} examples (per data shard) cannot be split into "
+            f"{microbatches} pipeline microbatches; make the batch a multiple of "
+            "data x pipeline_microbatches.")
+    # [B, ...] -> [M, B / M, ...] with example i in microbatch i % M.
+    micro = jnp.swapaxes(x.reshape(batch // microbatches, microbatches, *x.shape[1:]), 0, 1)
+    if _is_manual(axis_name):
+        out = gpipe(stage_fn, layer_params, micro, axis_name=axis_name)
+    else:
+        layers = {leaf.shape[0] for leaf in jax.tree_util.tree_leaves(layer_params)}
+        if len(layers) != 1 or next(iter(layers)) % stages:
+            raise ValueError(
+                f"{sorted(layers)} stacked layers cannot be split into {stages} pipeline "
+                "stages; use a number of layers divisible by the 'pipe' mesh axis.")
+        out = jax.shard_map(
+            lambda p, xs: gpipe(stage_fn, p, xs, axis_name=axis_name),
+            in_specs=(P(axis_name), P()), out_specs=P(), axis_names={axis_name},
+        )(layer_params, micro)
+    return jnp.swapaxes(out, 0, 1).reshape(x.shape)
