@@ -60,8 +60,8 @@ if "google.colab" in sys.modules:
 #
 # On a TPU, **bf16** is the natural choice (the MXU multiplies bfloat16; float16 brings
 # nothing and needs loss scaling). On a GPU, **fp16** runs on the tensor cores of every
-# generation (a T4 has no fast bfloat16); from Ampere (A100, L4, compute capability 8.0)
-# on, **bf16** is as fast and needs no loss scaling. On a CPU neither is faster than
+# generation (a T4 has no fast bfloat16); from compute capability 8.0 on (A100, L4, H100),
+# **bf16** is as fast and needs no loss scaling. On a CPU neither is faster than
 # float32: the notebook runs in a small size there, to show the mechanics.
 #
 # This notebook uses **fp16** whatever the backend, because fp16 is the mode that needs
