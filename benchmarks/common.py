@@ -175,12 +175,14 @@ def summarize_times(times: list[float], batch: int) -> dict[str, float]:
 
 
 def largest_batch(fits: Callable[[int], bool], start: int, *, granularity: int = 8,
-                  cap: int = 1 << 16) -> int | None:
+                  cap: int = 1 << 16, step: int | None = None) -> int | None:
     """The largest multiple of ``granularity`` for which ``fits(batch)`` holds.
 
-    Walks away from ``start`` (a guess) in doubling steps until the answer
-    changes, then bisects; assumes ``fits`` is monotone. Returns ``None`` when
-    not even ``granularity`` fits.
+    Walks away from ``start`` (a guess) in steps that double (the first is
+    ``step``, by default an eighth of ``start``) until the answer changes, then
+    bisects; assumes ``fits`` is monotone. With a good guess and
+    ``step=granularity`` it takes two calls. Returns ``None`` when not even
+    ``granularity`` fits.
 
     Example:
       >>> from benchmarks.common import largest_batch
@@ -189,7 +191,7 @@ def largest_batch(fits: Callable[[int], bool], start: int, *, granularity: int =
     """
     g = granularity
     start = max(g, start // g * g)
-    step = max(g, start // 8 // g * g)
+    step = max(g, (step or start // 8) // g * g)
     if fits(start):
         lo, hi = start, None
         while hi is None:

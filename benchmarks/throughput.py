@@ -17,7 +17,9 @@ steps one by one with ``block_until_ready``. Reports per mode:
   times images/s over the device's dense bf16/fp16 peak (known GPUs only);
 - with ``--max-batch``: the largest batch (multiple of 8) whose compiled step
   fits the device's memory limit, from XLA's compile-time memory analysis
-  (GPU; on CPU only with an explicit ``--memory-limit-gib``, else ``None``).
+  (two compiles give bytes per example, the search starts at the predicted
+  batch), then confirmed by running two steps (GPU; on CPU only with an explicit
+  ``--memory-limit-gib``, without the confirmation, else ``None``).
 
 XLA:CPU computes float16/bfloat16 by upcasting to float32, so CPU runs show
 that the pipeline works, not what half precision gains.
@@ -173,13 +175,14 @@ def max_batch(state: train_state.TrainState, args: argparse.Namespace,
         nbytes = needed(batch)
         return nbytes is not None and nbytes <= limit
 
+    g = args.max_batch_granularity
     b0, b1 = args.batch, 2 * args.batch
     m0, m1 = needed(b0), needed(b1)
-    guess = b0
+    guess, step = b0, None
     if m0 is not None and m1 is not None and m1 > m0:
         per_example = (m1 - m0) / (b1 - b0)
-        guess = int((limit - (m0 - per_example * b0)) / per_example)
-    found = common.largest_batch(fits, max(guess, 8), granularity=8)
+        guess, step = int((limit - (m0 - per_example * b0)) / per_example), g
+    found = common.largest_batch(fits, max(guess, g), granularity=g, step=step)
     return found, len(cache)
 
 
@@ -259,9 +262,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             if found and args.memory_limit_gib is None:
                 # The analysis does not see fragmentation: confirm by running steps.
                 tries = 0
+                g = args.max_batch_granularity
                 while found and tries < 4 and not runs_at(mode, args, found):
-                    found, tries = found - 8 if found > 8 else None, tries + 1
-                method += f", confirmed by running 2 steps ({tries} step-downs of 8)"
+                    found, tries = found - g if found > g else None, tries + 1
+                method += f", confirmed by running 2 steps ({tries} step-downs of {g})"
             row["max_batch"], row["max_batch_method"] = found, method
     return row
 
@@ -292,6 +296,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True,
                     help="donate the train state to the step (default on)")
     ap.add_argument("--max-batch", action="store_true", help="search the largest batch")
+    ap.add_argument("--max-batch-granularity", type=int, default=8,
+                    help="the largest batch is searched in multiples of this")
     ap.add_argument("--memory-limit-gib", type=float, default=None,
                     help="limit for --max-batch (default: the device allocator's limit)")
     ap.add_argument("--memory-headroom", type=float, default=1.0,

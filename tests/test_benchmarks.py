@@ -156,3 +156,10 @@ def test_accuracy_records_a_diverged_run(tmp_path):
     assert row["mode"] == "fp16_pure" and row["status"] == "diverged: Training stopped at step 30"
     assert (row["steps"], row["steps_skipped"], row["test_accuracy"]) == (30, 13, 0.25)
     assert common.accuracy_cells(row, [row]) == ("25.00%", "—")
+
+
+def test_largest_batch_from_a_good_guess_takes_two_calls():
+    calls = []
+    fits = lambda b: calls.append(b) or b <= 300
+    assert common.largest_batch(fits, 296, granularity=8, step=8) == 296
+    assert calls == [296, 304]
