@@ -96,8 +96,8 @@ print("jamp", jamp.__version__, "| jax", jax.__version__, "| run directories in"
 #
 # `vit_config(mode)` is what `configs/vit_<mode>.py` returns: an `ml_collections` config,
 # locked so that a misspelt key fails. With no dataset argument it trains a ViT-Ti with
-# 2×2 patches on the 8×8 digits. The full size (the config's defaults, about 97% test
-# accuracy) takes under two minutes per mode on a 2-core CPU and much less on an
+# 2×2 patches on the 8×8 digits. The full size (the config's defaults, about 98% test
+# accuracy) takes about a minute per mode on a 2-core CPU and much less on an
 # accelerator; the small size trains 2 layers for 10 epochs and reaches about 90%.
 
 # %%
