@@ -183,10 +183,17 @@ def _check_batch(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> 
             f"--config.batch_size={config.batch_size} is not divisible by {what}. Use a "
             f"multiple of {split} (e.g. {max(split, config.batch_size // split * split)}) "
             f"or change {change}.")
-    if config.batch_size % jax.process_count():
+    processes = jax.process_count()
+    if config.batch_size % processes:
         raise ConfigError(
             f"--config.batch_size={config.batch_size} is not divisible by the "
-            f"{jax.process_count()} processes.")
+            f"{processes} processes.")
+    if data_size % processes:
+        raise ConfigError(
+            f"The mesh's 'data' axis ({data_size}) is not a multiple of the {processes} "
+            "processes: each process feeds its own slice of the batch, so the processes must "
+            "split the 'data' axis (keep 'model' and 'pipe' within a process). Change "
+            "--config.mesh.*.")
 
 
 def _check_model_split(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,

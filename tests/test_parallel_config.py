@@ -78,6 +78,12 @@ def test_pipeline_batch_must_split_into_data_times_microbatches():
     build_experiment(_config(batch_size=40, pipeline_microbatches=3, mesh=dict(data=4)))
 
 
+def test_processes_must_split_the_data_axis(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    message = _error(mesh=dict(data=2, model=2, pipe=2))
+    assert "'data' axis (2) is not a multiple of the 4 processes" in message
+
+
 def test_layers_heads_and_mlp_must_split():
     assert "num_layers=3 cannot be split into 2 pipeline stages" in _error(
         num_layers=3, mesh=dict(pipe=2))
