@@ -209,6 +209,26 @@ def test_plain_jit_would_all_reduce_in_float16():
     assert _all_reduce_dtypes(ours.as_text())["f32"] >= 1
 
 
+def test_sharded_half_precision_sums_overflow_no_sooner_than_one_device():
+    # 8 examples whose weight gradients are 51200 each (float16 max: 65504). One
+    # device's float16 matmul sums them to 409600: inf. Each data shard holds its
+    # share of the mean loss, so it computes one 51200 in float16 and the float32
+    # all-reduce forms the sum exactly.
+    import jamp
+
+    mesh = parallel.make_mesh({"data": 8})
+    model = jamp.apply_policy(nn.Dense(1, use_bias=False), "fp16")
+    params = {"kernel": jnp.ones((1, 1))}
+    x = jnp.full((8, 1), 100.0)
+    loss = lambda p, batch: (jnp.mean(model.apply({"params": p}, batch)) * 2.0**12, {})
+    one_device = jax.grad(lambda p: loss(p, x)[0])(params)["kernel"]
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, parallel.batch_sharding(mesh))
+        _, sharded = jax.jit(parallel.data_parallel.value_and_grad(loss))(params, x)
+    assert not np.isfinite(one_device).any()
+    assert float(sharded["kernel"][0, 0]) == 409600.0
+
+
 def _path_get(tree, path):
     for key in path:
         tree = tree[key]

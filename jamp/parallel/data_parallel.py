@@ -12,7 +12,11 @@ varying over 'data' (``jax.lax.pcast(..., to='varying')``) *in their storage
 dtype*, so the transpose of that cast, a ``psum``, sums float32 gradients of
 float32 parameters (one fused all-reduce per step). Half-precision parameters
 (``fp16_naive``, ``fp16_pure``) are reduced in half precision, like their
-gradients.
+gradients. Each shard differentiates its *share* of the global mean loss (its
+local mean divided by the number of shards), so every example's cotangent is
+the one a single device would compute and a half-precision partial sum can only
+be smaller than the single device's full sum: a sharded fp16 run never
+overflows where the single-device run does not.
 
 Only 'data' is manual: the other mesh axes ('model', 'pipe') stay automatic,
 so tensor-parallel layers and the pipeline inside the model work unchanged.
@@ -127,12 +131,13 @@ def value_and_grad(
             # The psum that transposes this cast runs in each parameter's dtype.
             p = jax.lax.pcast(p, axis_name, to="varying")
             with nn.logical_axis_rules(rules):
-                return fun(p, batch, *args)
+                value, aux = fun(p, batch, *args)
+            # This shard's share of the global mean: every example's cotangent, and so
+            # every half-precision partial sum, is what one device would compute.
+            return value / shards, aux
 
-        (value, aux), grads = jax.value_and_grad(shard_loss, has_aux=True)(params)
-        grads = jax.tree_util.tree_map(lambda g: g / shards, grads)
-        value, aux = jax.lax.pmean((value, aux), axis_name)
-        return (value, aux), grads
+        (share, aux), grads = jax.value_and_grad(shard_loss, has_aux=True)(params)
+        return (jax.lax.psum(share, axis_name), jax.lax.pmean(aux, axis_name)), grads
 
     def wrapped(params, batch, *args):
         specs = P()
