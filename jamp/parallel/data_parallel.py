@@ -14,9 +14,11 @@ float32 parameters (one fused all-reduce per step). Half-precision parameters
 (``fp16_naive``, ``fp16_pure``) are reduced in half precision, like their
 gradients. Each shard differentiates its *share* of the global mean loss (its
 local mean divided by the number of shards), so every example's cotangent is
-the one a single device would compute and a half-precision partial sum can only
-be smaller than the single device's full sum: a sharded fp16 run never
-overflows where the single-device run does not.
+the one a single device would compute and the half-precision weight-gradient
+sums cover only the shard's examples: a sum that overflows float16 on one
+device usually fits per shard, and the float32 all-reduce completes it (so the
+loss scale backs off less often than on one device; it can differ when
+partial sums cancel).
 
 Only 'data' is manual: the other mesh axes ('model', 'pipe') stay automatic,
 so tensor-parallel layers and the pipeline inside the model work unchanged.
