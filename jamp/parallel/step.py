@@ -63,6 +63,8 @@ def grads(state: train_state.TrainState, batch: dict[str, jax.Array], rng: jax.A
     """
 
     def loss_fn(params, batch, rng):
+        # Runs once per 'data' shard: a different dropout mask on each.
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(data_parallel.DATA))
         logits = state.apply_fn({"params": params}, batch["image"], train=True,
                                 rngs={"dropout": rng})
         loss = cross_entropy(logits, batch["label"], label_smoothing)
