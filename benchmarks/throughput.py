@@ -149,7 +149,7 @@ def memory_limit(device: jax.Device, args: argparse.Namespace) -> int | None:
     return int(limit * args.memory_headroom) if limit else None
 
 
-def max_batch(state: train_state.TrainState, args: argparse.Namespace,
+def max_batch(state: Any, args: argparse.Namespace,
               limit: int) -> tuple[int | None, int]:
     """Largest batch whose compiled step fits ``limit`` bytes; and the compiles it took.
 
@@ -257,7 +257,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         else:
             del carry, compiled, state, new_state  # free the device for bigger steps
             gc.collect()
-            found, n = max_batch(build_state(mode, args)[1], args, limit)
+            found, n = max_batch(abstract_state(mode, args)[1], args, limit)
             method = f"XLA compile-time memory analysis <= {limit / 2**30:.2f} GiB ({n} compiles)"
             if found and args.memory_limit_gib is None:
                 # The analysis does not see fragmentation: confirm by running steps.
