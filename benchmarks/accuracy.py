@@ -49,12 +49,28 @@ def _value(text: str) -> Any:
         return text
 
 
+def apply_overrides(config: Any, overrides: dict[str, Any]) -> None:
+    """Sets ``key=value`` overrides on a config; dotted keys reach nested fields.
+
+    Example:
+      >>> c = vit_config("fp16")
+      >>> apply_overrides(c, {"max_steps": 2, "mesh.data": 1})
+      >>> c.max_steps, c.mesh.data
+      (2, 1)
+    """
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+
+
 def run_mode(mode: str, overrides: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Trains one mode in ``workdir``; returns the row for the table."""
     config = vit_config(mode)
     config.progress = False
-    for key, value in overrides.items():
-        config[key] = value
+    apply_overrides(config, overrides)
     t0 = time.perf_counter()
     try:
         summary = train_and_evaluate(config, str(workdir))
@@ -124,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config field, e.g. max_steps=2 (repeatable)")
+                    help="override a config field, e.g. max_steps=2 or mesh.data=1 (repeatable)")
     ap.add_argument("--plot-mode", default="fp16", help="whose training.png to keep")
     ap.add_argument("--out-dir", default=str(common.RESULTS))
     ap.add_argument("--workdir", default=None, help="run directories (default: a temp dir)")
@@ -155,8 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             out_dir.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, plot)
     config = vit_config(modes[0] if modes else "fp32")
-    for key, value in overrides.items():
-        config[key] = value
+    apply_overrides(config, overrides)
     for r in rows:
         r.pop("plot")
     layers = f"{config.num_layers} layers, width {config.hidden_size}"

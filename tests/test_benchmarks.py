@@ -123,7 +123,8 @@ def test_accuracy_one_step(tmp_path):
 
     result = accuracy.main(["--modes", "fp16", "--set", "max_steps=1", "--set", "num_layers=1",
                             "--set", "hidden_size=16", "--set", "num_heads=2",
-                            "--set", "mlp_dim=32", "--out-dir", str(tmp_path)])
+                            "--set", "mlp_dim=32", "--set", "mesh.data=1",
+                            "--out-dir", str(tmp_path)])
     (row,) = result["results"]
     assert row["mode"] == "fp16" and row["steps"] == 1 and 0.0 <= row["test_accuracy"] <= 1.0
     stem = f"accuracy-cpu-{common.today()}"
