@@ -12,6 +12,7 @@ Usage::
 
   python benchmarks/run_all.py                       # ViT-B/16, 224px, batch 128, on the GPU
   python benchmarks/run_all.py --variant ti16 --image-size 64 --batch 8 --steps 5   # CPU
+  python benchmarks/run_all.py --keep-dir /tmp/bench   # repeat until done if a call is cut off
 
 Example:
   >>> # result = main(["--variant", "ti4", "--image-size", "32", "--batch", "2",
@@ -21,6 +22,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -251,6 +254,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="torch CPU threads (1 on a busy shared CPU host)")
     ap.add_argument("--timeout", type=float, default=3600, help="per subprocess, seconds")
     ap.add_argument("--out-dir", default=str(common.RESULTS))
+    ap.add_argument("--keep-dir", default=None,
+                    help="keep each subprocess's JSON here and reuse it when the same command "
+                         "is run again (to finish a long run in several shorter calls)")
     args = ap.parse_args(argv)
 
     shared = ["--variant", args.variant, "--image-size", str(args.image_size),
@@ -260,17 +266,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         shared += ["--num-layers", str(args.num_layers)]
     extra = ["--max-batch"] if args.max_batch else []
     jamp_runs, torch_runs = [], []
-    with tempfile.TemporaryDirectory(prefix="jamp-bench-") as tmp:
+    keep = args.keep_dir
+    with (contextlib.nullcontext(keep) if keep
+          else tempfile.TemporaryDirectory(prefix="jamp-bench-")) as tmp:
+        Path(tmp).mkdir(parents=True, exist_ok=True)
+
+        def child(script: str, name: str, flags: list[str]) -> dict[str, Any]:
+            digest = hashlib.sha1(" ".join(flags).encode()).hexdigest()[:10]
+            path = Path(tmp) / f"{name}-{digest}.json"
+            if keep and path.exists():  # measured by an earlier, interrupted invocation
+                print(f"reusing {path}", flush=True)
+                return json.loads(path.read_text())
+            return _run(script, flags, path, args.timeout)
+
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
             flags = shared + ["--modes", mode] + extra + (["--remat"] if args.remat else [])
-            jamp_runs.append(_run("throughput.py", flags, Path(tmp) / f"jamp-{mode}.json",
-                                  args.timeout))
+            jamp_runs.append(child("throughput.py", f"jamp-{mode}", flags))
         for mode in [m.strip() for m in args.torch_modes.split(",") if m.strip()]:
             flags = shared + ["--modes", mode, "--compile", args.torch_compile] + extra
             if args.torch_threads:
                 flags += ["--threads", str(args.torch_threads)]
-            torch_runs.append(_run("torch_amp.py", flags, Path(tmp) / f"torch-{mode}.json",
-                                   args.timeout))
+            torch_runs.append(child("torch_amp.py", f"torch-{mode}", flags))
     device = jamp_runs[0]["device"]
     on_cpu = device["platform"] == "cpu"
     rows = merge(jamp_runs, torch_runs)

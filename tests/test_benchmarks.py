@@ -76,22 +76,30 @@ def test_run_all_one_step_each(tmp_path, monkeypatch):
         return json.loads(Path(json_path).read_text())
 
     monkeypatch.setattr(run_all, "_run", in_process)
+    out, keep = tmp_path / "out", tmp_path / "keep"
+    argv = [*TINY, "--modes", "fp16", "--torch-modes", "fp16", "--torch-compile", "eager",
+            "--torch-threads", "1", "--out-dir", str(out), "--keep-dir", str(keep)]
     threads = torch.get_num_threads()
     try:
-        result = run_all.main([*TINY, "--modes", "fp16", "--torch-modes", "fp16",
-                               "--torch-compile", "eager", "--torch-threads", "1",
-                               "--out-dir", str(tmp_path)])
+        result = run_all.main(argv)
     finally:
         torch.set_num_threads(threads)
     stem = f"throughput-cpu-{common.today()}"
-    assert {p.name for p in tmp_path.iterdir()} == {f"{stem}.{e}" for e in ("md", "json", "png")}
+    assert {p.name for p in out.iterdir()} == {f"{stem}.{e}" for e in ("md", "json", "png")}
+    assert len(list(keep.iterdir())) == 2
+
+    def must_not_run(*args):
+        raise AssertionError("the kept results should have been reused")
+
+    monkeypatch.setattr(run_all, "_run", must_not_run)
+    assert run_all.main(argv)["rows"] == result["rows"]
     (row,) = result["rows"]
     assert row["mode"] == "fp16" and row["torch_mode"] == "fp16"
     assert row["jamp_images_per_sec"] > 0 and row["torch_eager_images_per_sec"] > 0
     assert row["jamp_loss_finite"] and row["jamp_jax_level_bytes"] > 0
     assert row["jamp_max_batch"] is None and row["jamp_peak_bytes"] is None  # CPU
     assert {t["verdict"] for t in result["targets"]} == {"n/a on CPU"}
-    assert "CPU run" in (tmp_path / f"{stem}.md").read_text()
+    assert "CPU run" in (out / f"{stem}.md").read_text()
 
 
 def test_memory_every_mode(tmp_path):
