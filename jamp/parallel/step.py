@@ -23,13 +23,12 @@ Example:
   >>> mp = jamp.mixed_precision("fp16", init_scale=2.0**10)
   >>> model = jamp.apply_policy(vit.create("ti", num_classes=3, patch_size=2, num_layers=2,
   ...                                      hidden_size=8, num_heads=2, mlp_dim=8), mp)
-  >>> params = nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4, 4, 1))))["params"]
-  >>> state = train_state.TrainState.create(
-  ...     apply_fn=model.apply, params=params, tx=jamp.make_optimizer(mp, optax.sgd(0.1)))
+  >>> variables = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4, 4, 1)))
+  >>> specs = nn.logical_to_mesh(nn.get_partition_spec(variables)["params"], LOGICAL_AXIS_RULES)
+  >>> state = train_state.TrainState.create(apply_fn=model.apply,
+  ...     params=nn.unbox(variables)["params"], tx=jamp.make_optimizer(mp, optax.sgd(0.1)))
   >>> batch = {"image": jnp.ones((8, 4, 4, 1)), "label": jnp.zeros(8, jnp.int32)}
   >>> mesh = make_mesh({"data": 2, "model": 1, "pipe": 2})
-  >>> specs = nn.logical_to_mesh(nn.get_partition_spec(
-  ...     model.init(jax.random.key(0), jnp.ones((1, 4, 4, 1)))["params"]), LOGICAL_AXIS_RULES)
   >>> with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
   ...     train_step = jax.jit(functools.partial(step.train_step, param_specs=specs))
   ...     state, metrics = train_step(state, batch, jax.random.key(1))
