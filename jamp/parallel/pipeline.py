@@ -12,9 +12,11 @@ the loss-scale overflow check only ever sees real overflows. ``jax.grad``
 differentiates straight through the schedule (the transpose of a ``ppermute``
 is the reverse ``ppermute``), which gives GPipe's backward pass.
 
-Only the ``'pipe'`` axis is manual inside the schedule: the other mesh axes
-stay automatic, so the stages are still data- and tensor-parallel through the
-logical axis rules.
+Only the ``'pipe'`` axis needs to be manual inside the schedule: 'model' stays
+automatic, so the stages are still tensor-parallel through the logical axis
+rules (the trainer's step makes 'data' manual too, see :mod:`jamp.parallel.step`).
+The last stage's outputs reach every stage through one ``psum``, so whatever
+follows the pipeline (the ViT's head) runs replicated over 'pipe'.
 
 Example:
   >>> import jax, jax.numpy as jnp
