@@ -203,3 +203,20 @@ def test_bad_inputs_give_clear_errors():
         jamp.apply_policy(lambda x: x, "fp16")
     with pytest.raises(TypeError, match="Expected a mode name"):
         jamp.apply_policy(nn.Dense(2), 16)
+
+
+def test_vit_initial_weights_are_the_same_in_every_mode_up_to_rounding():
+    module = vit.create("ti", num_classes=3, patch_size=4, num_layers=2, hidden_size=16,
+                        num_heads=2, mlp_dim=32)
+    x = jnp.ones((1, 8, 8, 1))
+
+    def init(mode):
+        variables = jax.jit(jamp.apply_policy(module, mode).init)(jax.random.key(0), x)
+        return jax.tree_util.tree_leaves(nn.unbox(variables["params"]))
+
+    reference = init("fp32")
+    for mode, dtype in (("fp16_naive", jnp.float16), ("bf16_pure", jnp.bfloat16)):
+        leaves = init(mode)
+        assert any(a.dtype == dtype for a in leaves)
+        for a, ref in zip(leaves, reference, strict=True):
+            np.testing.assert_array_equal(a, ref.astype(a.dtype))

@@ -40,7 +40,16 @@ VARIANTS: dict[str, dict[str, int]] = {
 
 
 def _partitioned(init: Callable, axes: tuple[str | None, ...]) -> Callable:
-    return nn.with_logical_partitioning(init, axes)
+    """``init`` with logical axis names, drawing in float32 whatever the param dtype.
+
+    Drawing first and rounding to the param dtype after gives every precision mode
+    the same initial weights (up to that rounding), so runs compare cleanly.
+    """
+
+    def init_in_f32(key, shape, dtype=jnp.float32):
+        return init(key, shape, jnp.float32).astype(dtype)
+
+    return nn.with_logical_partitioning(init_in_f32, axes)
 
 
 class MlpBlock(nn.Module):
