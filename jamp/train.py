@@ -14,7 +14,7 @@ The ``config.mesh`` axes (data, model, pipe) give data, tensor (Megatron) and
 GPipe pipeline parallelism (``jamp/parallel``). Multi-host runs start one
 process per host (or per GPU) under SLURM, Open MPI, torchrun-style variables
 or ``--coordinator host:port --num_processes N --process_id i``; only process
-0 writes metrics, plots and the summary. See ``docs/scaling_out.md``.
+0 writes metrics, plots and the summary. See the README, "Scaling out".
 
 The Python API behind it is :func:`train_and_evaluate`.
 

@@ -13,7 +13,7 @@ with the single-device run (mesh 1x1x1 on one of the 8 devices):
   the steps whose batch holds a NaN image). Overflows are injected through the
   data because natural fp16 overflows are *not* sharding-invariant: with the
   gradient reduced in float32, a sum that overflows float16 on one device can fit
-  in float16 per data shard (see docs/scaling_out.md).
+  in float16 per data shard (see the README, "Scaling out").
 
 An inf placed in the gradient of one model shard (tensor) or one stage (pipeline)
 makes every device skip the step and keep the same, backed-off loss scale.
