@@ -421,7 +421,7 @@ def _loop(exp, state, iterator: Iterator, p_train, p_eval, ckpt: Checkpointer,
             fetched = jax.device_get(pending)
             pending = []
             elapsed = time.perf_counter() - window_start
-            rate = window_images / elapsed if window_images else float("nan")
+            rate = window_images / elapsed if window_images else None  # first window: compile
             if window_images:
                 images_per_sec.append(rate)
             window_start, window_images = time.perf_counter(), 0
@@ -435,7 +435,8 @@ def _loop(exp, state, iterator: Iterator, p_train, p_eval, ckpt: Checkpointer,
             }
             writer.write(done, record)
             progress.update(len(fetched), loss=f"{record['train/loss']:.3f}",
-                            img_s=f"{rate:.0f}", scale=f"{record['train/loss_scale']:g}",
+                            img_s="n/a" if rate is None else f"{rate:.0f}",
+                            scale=f"{record['train/loss_scale']:g}",
                             skipped=record["train/steps_skipped"])
             if any(bool(m["diverged"]) for m in fetched):
                 ckpt.wait()
@@ -562,9 +563,7 @@ def _run(argv: list[str]) -> None:
     if config is None:
         raise SystemExit("jamp.train: --config is required, e.g. "
                          "jamp.train --config configs/vit_fp16.py (see --help).")
-    workdir = flags.workdir or _default_workdir(flags["config"].value_as_string
-                                                if hasattr(flags["config"], "value_as_string")
-                                                else sys.argv[-1])
+    workdir = flags.workdir or _default_workdir(flags["config"].config_filename)
     try:
         parallel.launch.initialize(flags.coordinator, flags.num_processes, flags.process_id)
     except ValueError as e:
