@@ -358,7 +358,14 @@ def _build(
             def apply():
                 # Unscaling inside the branch lets XLA fuse it into the optimizer.
                 grads = _unscale(updates, inv_scale)
-                return inner_tx.update(grads, state.inner_state, params, **extra_args)
+                new_updates, new_inner = inner_tx.update(
+                    grads, state.inner_state, params, **extra_args)
+                # The inner state keeps its dtypes: float32 gradients must not turn
+                # the float16 moments of a pure-f16 model into float32 (that would
+                # change the state's type after one step, recompile, and break restores).
+                return new_updates, jax.tree_util.tree_map(
+                    lambda new, old: jnp.asarray(new, jnp.result_type(old)),
+                    new_inner, state.inner_state)
 
             def skip():
                 # Zeros and the *same* inner state: exact, and no optimizer arithmetic.

@@ -513,3 +513,16 @@ def test_all_finite_helper():
     assert not bool(all_finite([jnp.ones(3), jnp.asarray([-jnp.inf])]))
     assert not bool(all_finite(jnp.asarray([jnp.nan], jnp.float16)))
     assert bool(all_finite({}))
+
+
+def test_inner_state_keeps_its_dtypes_with_half_precision_params():
+    """Pure-f16 params: Adam's f16 moments stay f16 although the unscaled grads are f32."""
+    params = {"w": jnp.ones((3,), jnp.float16)}
+    tx = DynamicLossScale(optax.adam(1e-3), init_scale=2.0**4)
+    state = tx.init(params)
+    before = jax.tree_util.tree_map(lambda a: jnp.result_type(a), state)
+    updates, state = jax.jit(tx.update)({"w": jnp.full((3,), 3.0, jnp.float16)}, state, params)
+    after = jax.tree_util.tree_map(lambda a: jnp.result_type(a), state)
+    assert before == after
+    assert state.inner_state[0].mu["w"].dtype == jnp.float16
+    assert float(state.inner_state[0].mu["w"][0]) != 0.0  # the step was applied
