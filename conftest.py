@@ -1,4 +1,4 @@
-"""Test-session set-up: 8 fake CPU devices so sharded tests can run anywhere.
+"""Test-session set-up: 8 fake CPU devices so sharded tests and doctests run anywhere.
 
 The device count must be fixed before JAX initialises its backends, so it is set
 here, at import time of the test session, for every test module.
