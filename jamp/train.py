@@ -46,7 +46,7 @@ from flax.training import train_state
 from jamp import data, parallel
 from jamp.checkpoint import Checkpointer, CheckpointError
 from jamp.flax import apply_policy
-from jamp.loss_scale import LossScaleDivergedError
+from jamp.loss_scale import LossScaleDivergedError, loss_scale, overflow_stats
 from jamp.memory import MemoryReport, memory_report
 from jamp.metrics import MetricsWriter, plot_run
 from jamp.models import vit
@@ -460,8 +460,6 @@ def _loop(exp, state, iterator: Iterator, p_train, p_eval, ckpt: Checkpointer,
     if ckpt.latest_step() != done:
         ckpt.save(done, state, iterator, _run_meta(exp), force=True)
     ckpt.wait()
-    from jamp.loss_scale import loss_scale, overflow_stats
-
     stats = jax.device_get(overflow_stats(state.opt_state))
     return {
         "mode": exp.precision.name,
