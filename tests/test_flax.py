@@ -196,6 +196,47 @@ def test_scanned_vit_computes_in_f16_inside_the_scan():
     assert {str(a.dtype) for a in leaves} == {"float32"}
 
 
+# What a module's __call__ received: (module, argument, dtype), recorded at trace time.
+_seen: list[tuple[str, str, str]] = []
+
+
+class CustomInner(nn.Module):
+    """Plain jnp math, no Flax layers, no dtype fields: only the policy casts its inputs."""
+
+    @nn.compact
+    def __call__(self, x, *, bias):
+        _seen.extend([("inner", "x", str(x.dtype)), ("inner", "bias", str(bias.dtype))])
+        return jnp.tanh(x) * 2 + bias
+
+
+class CustomOuter(nn.Module):
+    @nn.compact
+    def __call__(self, x, ids):
+        _seen.extend([("outer", "x", str(x.dtype)), ("outer", "ids", str(ids.dtype))])
+        w = self.param("w", nn.initializers.normal(), (x.shape[-1], 3))
+        y = (x @ w.astype(x.dtype)).astype(jnp.float32)  # hand the submodule float32 on purpose
+        return CustomInner()(y, bias=jnp.ones(3, jnp.float32)) + ids[:, None]
+
+
+@pytest.mark.parametrize("mode,compute,given", [
+    ("fp16", "float16", jnp.float32), ("bf16", "bfloat16", jnp.float32),
+    ("fp32", "float32", jnp.bfloat16)])
+def test_custom_module_inputs_are_cast_to_compute_dtype_at_every_level(mode, compute, given):
+    model = jamp.apply_policy(CustomOuter(), mode)
+    x, ids = jnp.ones((2, 4), given), jnp.arange(2, dtype=jnp.int32)
+    variables = model.init(jax.random.key(0), x, ids)
+    _seen.clear()
+    out = model.apply(variables, x, ids)
+    # The top-level call, and the nested call although its caller passed float32 (both the
+    # positional and the keyword argument); integer arguments are left alone.
+    assert _seen == [("outer", "x", compute), ("outer", "ids", "int32"),
+                     ("inner", "x", compute), ("inner", "bias", compute)]
+    assert out.dtype == model.precision.policy.output_dtype
+    assert operand_dtypes(lambda v, x, ids: model.apply(v, x, ids), variables, x, ids,
+                          primitive="dot_general") == [(compute, compute)]
+    assert variables["params"]["w"].dtype == jnp.float32  # the module's own param dtype
+
+
 def test_bad_inputs_give_clear_errors():
     with pytest.raises(ValueError, match="neither a mode nor a policy"):
         jamp.apply_policy(nn.Dense(2), "fp17")
