@@ -379,6 +379,64 @@ def test_large_image_transforms():
     assert out["image"].shape == (32, 32, 3)
 
 
+def _raw_pixels(batches, info, data_dir):
+    """Undoes the loader's normalisation: the uint8 pixels of each image, and the labels."""
+    mean, std = data.sources.channel_stats(info, data_dir)
+    images = np.concatenate([b["image"] for b in batches]) * np.float32(std) + np.float32(mean)
+    raw = np.rint(images)
+    np.testing.assert_allclose(images, raw, atol=1e-3)
+    return raw.astype(np.uint8), np.concatenate([b["label"] for b in batches])
+
+
+def _shifted_copies(images, labels, pad):
+    """{(label, bytes)} of every crop of the reflect-padded images (all offsets)."""
+    n, h, w, _ = images.shape
+    padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)), mode="reflect")
+    return {
+        (int(label), np.ascontiguousarray(crop).tobytes())
+        for dy in range(2 * pad + 1)
+        for dx in range(2 * pad + 1)
+        for crop, label in zip(padded[:, dy : dy + h, dx : dx + w], labels, strict=True)
+    }
+
+
+@pytest.mark.parametrize("augment", [False, True], ids=["plain", "augmented"])
+def test_digits_train_loader_never_mirrors_an_image(digits_dir, augment):
+    """A mirrored digit is another symbol (or none): the digits loader must never flip.
+
+    Checks the images themselves, as the trainer's loader yields them (flip left at its
+    default): `test_flip_defaults_off_for_digits` only reads the dataset-name set.
+    """
+    info = data.get_dataset_info("digits", digits_dir)
+    train = tfds.data_source("jamp_digits", split="train", data_dir=digits_dir, download=False)
+    source = np.stack([train[i]["image"] for i in range(len(train))])
+    labels = np.array([int(train[i]["label"]) for i in range(len(train))])
+    pad = 1 if augment else 0  # the 8x8 digits' random crop: reflect-pad 1, crop back to 8
+    upright = _shifted_copies(source, labels, pad)
+    mirrored = _shifted_copies(source[:, :, ::-1], labels, pad) - upright
+
+    def mirror_only(**kwargs):
+        loader = _digits_loader(digits_dir, global_batch_size=479, augment=augment, **kwargs)
+        images, got_labels = _raw_pixels(_take(iter(loader), 2), info, digits_dir)
+        keys = [(int(y), x.tobytes()) for x, y in zip(images, got_labels, strict=True)]
+        assert all(k in upright or k in mirrored for k in keys)  # a (flipped) source image
+        return sum(k not in upright for k in keys)
+
+    assert mirror_only() == 0
+    if not augment:
+        # Exactly the source examples, each once per epoch.
+        loader = _digits_loader(digits_dir, global_batch_size=479, augment=False, num_epochs=1)
+        images, got_labels = _raw_pixels(list(loader), info, digits_dir)
+
+        def counts(images, labels):
+            return collections.Counter(
+                (x.tobytes(), int(y)) for x, y in zip(images, labels, strict=True))
+
+        assert counts(images, got_labels) == counts(source, labels)
+    else:
+        assert mirror_only(flip=True) > 200  # the check does see flips: about half of 958
+
+
 def test_flip_defaults_off_for_digits():
     assert "jamp_digits" in data.sources.NO_FLIP_DATASETS
     assert "mnist" in data.sources.NO_FLIP_DATASETS
