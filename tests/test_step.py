@@ -1,9 +1,10 @@
 """The numbers the trainer reports and the optimizer it builds from the config.
 
 Guards against silently wrong results: eval counts that include padding rows, and config
-fields (grad_clip_norm, learning_rate, warmup_steps, weight_decay, momentum, optimizer,
-label_smoothing, dropout_rate, loss_scale.*, max_steps) that the trainer would ignore.
-Optimizer-level checks on tiny trees, no training loops.
+fields that the trainer would ignore (grad_clip_norm, learning_rate, warmup_steps,
+weight_decay, momentum, optimizer, label_smoothing, loss_scale.*, dropout_rate and the
+other model fields, num_epochs, max_steps). Optimizer-level checks on tiny trees, no
+training loops.
 """
 
 from __future__ import annotations
@@ -234,9 +235,12 @@ def test_cross_entropy_label_smoothing():
                                -np.sum(targets * log_probs), rtol=1e-6)
 
 
-def test_dropout_rate_and_step_counts_reach_the_experiment(digits_dir):
-    exp = train.build_experiment(_config(dropout_rate=0.25, num_epochs=3, data_dir=digits_dir))
-    assert exp.model.inner.dropout_rate == 0.25
+def test_model_fields_and_step_counts_reach_the_experiment(digits_dir):
+    fields = dict(dropout_rate=0.25, patch_size=4, num_layers=2, hidden_size=24, num_heads=3,
+                  mlp_dim=40, remat=True, scan_layers=False)
+    exp = train.build_experiment(_config("bf16", num_epochs=3, data_dir=digits_dir, **fields))
+    assert {k: getattr(exp.model.inner, k) for k in fields} == fields
+    assert exp.model.precision.name == exp.precision.name == "bf16"
     assert (exp.steps_per_epoch, exp.total_steps) == (1437 // 64, 3 * (1437 // 64))
     exp = train.build_experiment(_config(max_steps=7, data_dir=digits_dir))
     assert exp.total_steps == 7
