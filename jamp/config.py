@@ -17,6 +17,7 @@ from __future__ import annotations
 import ml_collections
 from ml_collections import config_dict
 
+from jamp.models.sizes import parse_variant
 from jamp.policy import MODE_ALIASES
 
 # Image size and patch size per dataset: 224/16 as in the Colossal-AI recipe for
@@ -41,9 +42,7 @@ def _parse_arg(arg: str | None) -> tuple[str | None, int | None, str]:
             "'s16,cifar10' or 'b16,imagenet2012' (or nothing for the embedded digits)."
         )
     model, dataset = parts
-    size = model.lower().rstrip("0123456789")
-    patch = model[len(size):]
-    return size, int(patch) if patch else None, dataset
+    return *parse_variant(model, None), dataset
 
 
 def vit_config(mode: str, arg: str | None = None) -> ml_collections.ConfigDict:

@@ -28,15 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from jamp import attention
+from jamp.models.sizes import VIT_SIZES as VARIANTS
+from jamp.models.sizes import parse_variant
 from jamp.parallel import pipeline
-
-VARIANTS: dict[str, dict[str, int]] = {
-    "ti": dict(hidden_size=192, num_layers=12, num_heads=3, mlp_dim=768),
-    "s": dict(hidden_size=384, num_layers=12, num_heads=6, mlp_dim=1536),
-    "b": dict(hidden_size=768, num_layers=12, num_heads=12, mlp_dim=3072),
-    "l": dict(hidden_size=1024, num_layers=24, num_heads=16, mlp_dim=4096),
-}
-"""Model sizes of Dosovitskiy et al. (2020) and Touvron et al. (2021)."""
 
 
 def _partitioned(init: Callable, axes: tuple[str | None, ...]) -> Callable:
@@ -292,15 +286,7 @@ def create(variant: str, *, num_classes: int, patch_size: int = 16, **overrides:
       >>> vit.create("s16", num_classes=1000).hidden_size
       384
     """
-    name = variant.lower().removeprefix("vit-").removeprefix("vit_")
-    size = name.rstrip("0123456789")
-    if name[len(size):]:
-        patch_size = int(name[len(size):])
-    if size not in VARIANTS:
-        raise ValueError(
-            f"Unknown ViT variant {variant!r}: use one of {', '.join(VARIANTS)} "
-            "optionally followed by the patch size (e.g. 'b16', 's16', 'ti4')."
-        )
+    size, patch_size = parse_variant(variant, patch_size)
     fields = {f.name for f in dataclasses.fields(ViT)} - {"parent", "name"}
     unknown = sorted(set(overrides) - fields)
     if unknown:
