@@ -9,68 +9,51 @@ them for the README.
 
 Usage::
 
-  python benchmarks/accuracy.py                          # 5 modes, ~1 min each on a CPU
-  python benchmarks/accuracy.py --modes fp16 --set max_steps=2 --set num_layers=1 \\
+  python -m benchmarks.accuracy                          # 5 modes, ~1 min each on a CPU
+  python -m benchmarks.accuracy --modes fp16 --set max_steps=2 --set num_layers=1 \\
       --out-dir /tmp/acc                                 # smoke run
-
-Example:
-  >>> # summary = main(["--modes", "fp32", "--set", "max_steps=1", "--out-dir", "/tmp/a"])
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import jax
+import jamp
+from benchmarks import common
+from jamp.config import vit_config
+from jamp.loss_scale import LossScaleDivergedError
+from jamp.metrics import read_metrics
+from jamp.models import sizes
+from jamp.train import train_and_evaluate
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import jamp  # noqa: E402
-from benchmarks import common  # noqa: E402
-from jamp.config import vit_config  # noqa: E402
-from jamp.loss_scale import LossScaleDivergedError  # noqa: E402
-from jamp.metrics import read_metrics  # noqa: E402
-from jamp.train import train_and_evaluate  # noqa: E402
-
-DEFAULT_MODES = ("fp32", "fp16", "bf16", "fp16_naive", "fp16_pure")
+DEFAULT_MODES = [m for m in jamp.MODES if m != "bf16_pure"]
+"""The modes compared by default: ``jamp.MODES`` but the pure-bf16 one."""
 
 
-def _value(text: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def apply_overrides(config: Any, overrides: dict[str, Any]) -> None:
-    """Sets ``key=value`` overrides on a config; dotted keys reach nested fields.
+def override(text: str) -> tuple[str, Any]:
+    """``"key=value"`` as ``(key, value)``, the value a Python literal where it is one.
 
     Example:
-      >>> c = vit_config("fp16")
-      >>> apply_overrides(c, {"max_steps": 2, "mesh.data": 1})
-      >>> c.max_steps, c.mesh.data
-      (2, 1)
+      >>> override("mesh.data=1"), override("dataset=cifar10")
+      (('mesh.data', 1), ('dataset', 'cifar10'))
     """
-    for key, value in overrides.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
+    key, _, value = (part.strip() for part in text.partition("="))
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def run_mode(mode: str, overrides: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Trains one mode in ``workdir``; returns the row for the table."""
     config = vit_config(mode)
     config.progress = False
-    apply_overrides(config, overrides)
+    config.update_from_flattened_dict(overrides)
     t0 = time.perf_counter()
     try:
         summary = train_and_evaluate(config, str(workdir))
@@ -137,23 +120,20 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs every mode; writes the .md/.json (and the plot) to ``--out-dir``."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default=",".join(DEFAULT_MODES))
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+    ap = common.parser(__doc__)
+    ap.add_argument("--modes", type=common.modes, default=DEFAULT_MODES)
+    ap.add_argument("--set", type=override, action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. max_steps=2 or mesh.data=1 (repeatable)")
     ap.add_argument("--plot-mode", default="fp16", help="whose training.png to keep")
-    ap.add_argument("--out-dir", default=str(common.RESULTS))
     ap.add_argument("--workdir", default=None, help="run directories (default: a temp dir)")
     args = ap.parse_args(argv)
-    overrides = {k.strip(): _value(v.strip())
-                 for k, _, v in (s.partition("=") for s in args.set)}
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    out_dir = Path(args.out_dir)
-    stem = f"accuracy-{jax.default_backend()}-{common.today()}"
+    overrides = dict(args.set)
+    head = common.header("accuracy", argv)
+    stem = common.results_stem(args.out_dir, "accuracy", head["platform"])
     rows = []
     with tempfile.TemporaryDirectory(prefix="jamp-accuracy-") as tmp:
         root = Path(args.workdir or tmp)
-        for mode in modes:
+        for mode in args.modes:
             workdir = root / mode
             if workdir.exists():
                 shutil.rmtree(workdir)  # a fresh run, never a resumed one
@@ -166,28 +146,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plot = None
         source = next((r["plot"] for r in rows if r["mode"] == args.plot_mode and r["plot"]),
                       None)
-        if source:
-            plot = out_dir / f"{stem}-{args.plot_mode}-training.png"
-            out_dir.mkdir(parents=True, exist_ok=True)
+        if source and not args.no_write:
+            plot = Path(f"{stem}-{args.plot_mode}-training.png")
+            plot.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, plot)
-    config = vit_config(modes[0] if modes else "fp32")
-    apply_overrides(config, overrides)
+    config = vit_config(args.modes[0] if args.modes else "fp32")
+    config.update_from_flattened_dict(overrides)
     for r in rows:
         r.pop("plot")
-    layers = f"{config.num_layers} layers, width {config.hidden_size}"
     result = dict(
-        benchmark="accuracy", date=common.today(), device=jax.devices()[0].device_kind,
-        platform=jax.default_backend(), jax=jax.__version__, machine=common.machine(),
-        command=common.command("accuracy.py", argv),
-        overrides=overrides, plot_mode=args.plot_mode,
-        plot=plot.name if plot else None,
-        config=dict(model=f"ViT-{config.model}/{config.patch_size}", layers=layers,
+        **head, overrides=overrides, plot_mode=args.plot_mode, plot=plot.name if plot else None,
+        config=dict(model=sizes.vit_label(config.model, config.patch_size),
+                    layers=f"{config.num_layers} layers, width {config.hidden_size}",
                     batch_size=config.batch_size, num_epochs=config.num_epochs,
                     learning_rate=config.learning_rate, dataset=config.dataset),
         results=rows)
-    common.write_json(out_dir / f"{stem}.json", result)
-    (out_dir / f"{stem}.md").write_text(to_markdown(result))
-    print(f"wrote {out_dir / stem}.md/.json", flush=True)
+    if not args.no_write:
+        common.write_results(stem, result, to_markdown(result))
     return result
 
 

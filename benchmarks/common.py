@@ -1,18 +1,19 @@
-"""Helpers shared by the benchmark scripts: ViT FLOPs, device peaks, timing, batch search.
+"""Helpers shared by the benchmarks: flags, results files, device peaks, timing, batch search.
 
-Nothing here imports JAX or PyTorch, so the JAX and PyTorch benchmarks can both
-use it (and the PyTorch one runs without loading JAX).
+Every benchmark runs from the repository root as ``python -m benchmarks.<name>``.
+Its flags come from :func:`parser`, :func:`add_timing` and :func:`add_vit`; its
+results file starts with :func:`header` and is written by :func:`write_results`.
+Nothing here starts a JAX backend, so the PyTorch baseline uses it too.
 
 Example:
-  >>> from benchmarks import common
-  >>> round(common.vit_macs("b", image_size=224) / 1e9, 1)   # ViT-B/16: 17.6 GMAC/image
-  17.6
-  >>> common.peak_tflops("NVIDIA H100 80GB HBM3")
-  989.0
+  >>> args = parser(__doc__).parse_args(["--no-write"])
+  >>> args.no_write, args.out_dir == str(RESULTS)
+  (True, True)
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -26,111 +27,29 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jamp.policy import mixed_precision
+
 RESULTS = Path(__file__).resolve().parent / "results"
 """Where the benchmarks write their committed results."""
 
-VIT_SIZES: dict[str, dict[str, int]] = {
-    "ti": dict(hidden_size=192, num_layers=12, num_heads=3, mlp_dim=768),
-    "s": dict(hidden_size=384, num_layers=12, num_heads=6, mlp_dim=1536),
-    "b": dict(hidden_size=768, num_layers=12, num_heads=12, mlp_dim=3072),
-    "l": dict(hidden_size=1024, num_layers=24, num_heads=16, mlp_dim=4096),
-}
-"""ViT sizes, as ``jamp.models.vit.VARIANTS`` (a test keeps the two equal)."""
-
-# Dense half-precision (bf16/fp16) tensor-core peaks, TFLOP/s, matched in order
-# against the lower-cased device name. MFU is always relative to this peak.
-_PEAKS: tuple[tuple[str, float], ...] = (
-    ("h100 pcie", 756.0),
-    ("h100", 989.0),
-    ("h200", 989.0),
-    ("a100", 312.0),
-)
-
-
-def parse_variant(name: str, patch_size: int = 16) -> tuple[str, int]:
-    """Splits ``"b16"``/``"vit-s16"``/``"ti"`` into ``(size, patch_size)``.
-
-    Example:
-      >>> from benchmarks.common import parse_variant
-      >>> parse_variant("b16"), parse_variant("ti", 4)
-      (('b', 16), ('ti', 4))
-    """
-    text = name.lower().removeprefix("vit-").removeprefix("vit_")
-    size = text.rstrip("0123456789")
-    if size not in VIT_SIZES:
-        raise ValueError(f"Unknown ViT variant {name!r}: use one of {', '.join(VIT_SIZES)} "
-                         "optionally followed by the patch size (e.g. 'b16').")
-    return size, int(text[len(size):]) if text[len(size):] else patch_size
-
-
-def vit_dims(variant: str, **overrides: int) -> dict[str, int]:
-    """Model dimensions of a ViT size with optional overrides (``num_layers=1``...).
-
-    Example:
-      >>> from benchmarks.common import vit_dims
-      >>> vit_dims("s16", num_layers=2)["num_layers"]
-      2
-    """
-    size, _ = parse_variant(variant)
-    return {**VIT_SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
-
-
-def vit_macs(variant: str, *, image_size: int, patch_size: int | None = None,
-             num_classes: int = 1000, channels: int = 3, **overrides: int) -> float:
-    """Multiply-accumulates of one ViT forward pass for one image (analytic).
-
-    Counts the matmuls: patch embedding, per block Q/K/V/out projections
-    (``4 S D^2``), attention scores and weighted values (``2 S^2 D``), MLP
-    (``2 S D M``), and the head; with ``S = (image/patch)^2 + 1`` tokens.
-    Norms, softmax and GELU are left out (they are not tensor-core work).
-
-    Example:
-      >>> from benchmarks.common import vit_macs
-      >>> round(vit_macs("s16", image_size=224) / 1e9, 2)
-      4.6
-    """
-    _, default_patch = parse_variant(variant)
-    patch = patch_size or default_patch
-    d = vit_dims(variant, **overrides)
-    hidden, mlp, layers = d["hidden_size"], d["mlp_dim"], d["num_layers"]
-    patches = (image_size // patch) ** 2
-    seq = patches + 1
-    embed = patches * patch * patch * channels * hidden
-    block = 4 * seq * hidden**2 + 2 * seq**2 * hidden + 2 * seq * hidden * mlp
-    return float(embed + layers * block + hidden * num_classes)
-
-
-def train_flops_per_image(variant: str, **kwargs: Any) -> float:
-    """FLOPs of one training step per image: 3 passes (fwd + 2x bwd) x 2 FLOPs per MAC.
-
-    Example:
-      >>> from benchmarks.common import train_flops_per_image
-      >>> round(train_flops_per_image("b16", image_size=224) / 1e9)
-      105
-    """
-    return 6.0 * vit_macs(variant, **kwargs)
+_PEAKS = {"h100 pcie": 756.0, "h100": 989.0, "h200": 989.0, "a100": 312.0}
+"""Dense bf16/fp16 tensor-core peaks, TFLOP/s, matched in order against the device name."""
 
 
 def peak_tflops(device_kind: str | None) -> float | None:
     """Dense bf16/fp16 peak of a known accelerator, TFLOP/s; ``None`` if unknown (CPU).
 
     Example:
-      >>> from benchmarks.common import peak_tflops
       >>> peak_tflops("NVIDIA A100-SXM4-80GB"), peak_tflops("cpu")
       (312.0, None)
     """
-    kind = (device_kind or "").lower()
-    for key, tflops in _PEAKS:
-        if key in kind:
-            return tflops
-    return None
+    return next((tf for key, tf in _PEAKS.items() if key in (device_kind or "").lower()), None)
 
 
 def mfu(images_per_sec: float | None, flops_per_image: float, peak: float | None) -> float | None:
     """Model FLOPs utilisation: achieved FLOP/s over the device's peak (``None`` if unknown).
 
     Example:
-      >>> from benchmarks.common import mfu
       >>> round(mfu(4000.0, 105.4e9, 989.0), 3)
       0.426
     """
@@ -146,7 +65,6 @@ def time_steps(step: Callable[[], Any], *, warmup: int, steps: int) -> list[floa
     ``torch.cuda.synchronize``) so each time is the step's own.
 
     Example:
-      >>> from benchmarks.common import time_steps
       >>> len(time_steps(lambda: None, warmup=2, steps=3))
       3
     """
@@ -163,7 +81,6 @@ def summarize_times(times: list[float], batch: int) -> dict[str, float]:
     """Median step time (ms), its spread (p10/p90) and images/s from the median.
 
     Example:
-      >>> from benchmarks.common import summarize_times
       >>> summarize_times([0.1, 0.2, 0.3], 8)["images_per_sec"]
       40.0
     """
@@ -185,7 +102,6 @@ def largest_batch(fits: Callable[[int], bool], start: int, *, granularity: int =
     ``granularity`` fits.
 
     Example:
-      >>> from benchmarks.common import largest_batch
       >>> largest_batch(lambda b: b <= 300, start=128)
       296
     """
@@ -227,7 +143,6 @@ def slug(text: str) -> str:
     """A file-name-safe, lower-case form of a device name.
 
     Example:
-      >>> from benchmarks.common import slug
       >>> slug("NVIDIA H100 80GB HBM3")
       'nvidia-h100-80gb-hbm3'
     """
@@ -235,42 +150,86 @@ def slug(text: str) -> str:
 
 
 def today() -> str:
-    """Today's date as ``YYYY-MM-DD`` (UTC), for result file names."""
+    """Today's date as ``YYYY-MM-DD`` (UTC), for result file names: ``today()``."""
     return datetime.datetime.now(datetime.UTC).date().isoformat()
 
 
 def machine() -> dict[str, Any]:
-    """The host: processor, CPU count, OS, 1-minute load average."""
+    """The host: processor, CPU count, OS, 1-minute load average: ``machine()["cpus"]``."""
     return dict(processor=platform.processor() or platform.machine(), cpus=os.cpu_count(),
                 platform=platform.platform(), python=platform.python_version(),
                 load_avg_1m=round(os.getloadavg()[0], 2))
 
 
-def command(script: str, argv: list[str] | None) -> str:
-    """The command line that reproduces a run, for the results files.
+def header(script: str, argv: list[str] | None, benchmark: str | None = None,
+           with_jax: bool = True) -> dict[str, Any]:
+    """The fields a results file starts with: what ran, when, how, where, with which jax.
+
+    ``command`` reproduces the run (``argv`` defaults to ``sys.argv``);
+    ``benchmark``, the results file's kind, defaults to ``script``. With
+    ``with_jax``, the JAX platform, device kind and version (this starts JAX).
 
     Example:
-      >>> from benchmarks.common import command
-      >>> command("memory.py", []), command("memory.py", ["--batch", "2"])
-      ('python benchmarks/memory.py', 'python benchmarks/memory.py --batch 2')
+      >>> h = header("run_all", ["--steps", "1"], "throughput", with_jax=False)
+      >>> h["benchmark"], h["command"], sorted(h)[2:]
+      ('throughput', 'python -m benchmarks.run_all --steps 1', ['date', 'machine'])
     """
     args = sys.argv[1:] if argv is None else argv
-    return " ".join(["python", f"benchmarks/{script}", *args])
+    out = dict(benchmark=benchmark or script, date=today(),
+               command=" ".join(["python", "-m", f"benchmarks.{script}", *args]),
+               machine=machine())
+    if with_jax:
+        import jax
+
+        out.update(platform=jax.default_backend(), device=jax.devices()[0].device_kind,
+                   jax=jax.__version__)
+    return out
 
 
-def write_json(path: str | Path, obj: Any) -> Path:
-    """Writes ``obj`` as indented JSON (creating folders); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    return path
+def results_stem(out_dir: str | Path, benchmark: str, device: str) -> Path:
+    """``<out_dir>/<benchmark>-<device>-<today>``, a results file less its suffix.
+
+    Example:
+      >>> results_stem("/tmp", "memory", "cpu").name.startswith("memory-cpu-20")
+      True
+    """
+    return Path(out_dir) / f"{benchmark}-{device}-{today()}"
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Writes ``obj`` as indented JSON, creating folders: ``write_json("r.json", result)``."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def write_results(stem: Path, result: dict[str, Any], markdown: str) -> None:
+    """Writes ``<stem>.json`` and ``<stem>.md``: ``write_results(stem, result, markdown)``."""
+    write_json(f"{stem}.json", result)
+    Path(f"{stem}.md").write_text(markdown)
+    print(f"wrote {stem}.md/.json", flush=True)
+
+
+def process_result(args: argparse.Namespace, framework: str, device: dict[str, Any],
+                   rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result of one process of ``run_all``, written to ``--json`` when given.
+
+    Example:
+      >>> args = argparse.Namespace(json=None, modes=["fp32"], batch=2)
+      >>> process_result(args, "jamp", {}, [])["config"]
+      {'batch': 2}
+    """
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "modes")}
+    result = dict(benchmark="throughput", framework=framework, device=device, config=config,
+                  results=rows)
+    if args.json:
+        write_json(args.json, result)
+    return result
 
 
 def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
     """Formats a number, or ``"n/a"`` for ``None``/NaN.
 
     Example:
-      >>> from benchmarks.common import fmt
       >>> fmt(1234.5, ",.0f"), fmt(None)
       ('1,234', 'n/a')
     """
@@ -283,7 +242,6 @@ def gib(nbytes: int | None) -> str:
     """Bytes as GiB with two decimals (MiB below 1 GiB), ``"n/a"`` for ``None``.
 
     Example:
-      >>> from benchmarks.common import gib
       >>> gib(3 * 2**30), gib(5 * 2**20)
       ('3.00 GiB', '5.0 MiB')
     """
@@ -292,23 +250,10 @@ def gib(nbytes: int | None) -> str:
     return fmt(None if nbytes is None else nbytes / 2**30, ".2f", " GiB")
 
 
-def vit_label(variant: str, patch_size: int | None = None) -> str:
-    """The usual name of a ViT variant.
-
-    Example:
-      >>> from benchmarks.common import vit_label
-      >>> vit_label("ti4"), vit_label("b", 16)
-      ('ViT-Ti/4', 'ViT-B/16')
-    """
-    size, patch = parse_variant(variant, patch_size or 16)
-    return f"ViT-{'Ti' if size == 'ti' else size.upper()}/{patch}"
-
-
 def accuracy_cells(row: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, str]:
     """Test accuracy and its difference from the fp32 run, as table cells.
 
     Example:
-      >>> from benchmarks.common import accuracy_cells
       >>> accuracy_cells({"test_accuracy": 0.95}, [{"mode": "fp32", "test_accuracy": 0.96}])
       ('95.00%', '-1.00 pt')
     """
@@ -318,3 +263,68 @@ def accuracy_cells(row: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str
         return "n/a", "—"
     delta = "—" if base is None else f"{100 * (acc - base):+.2f} pt"
     return f"{100 * acc:.2f}%", delta
+
+
+def split(text: str) -> list[str]:
+    """The items of a comma-separated flag value (an argparse ``type``).
+
+    Example:
+      >>> split(" s16, b16,,"), split("")
+      (['s16', 'b16'], [])
+    """
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def modes(text: str) -> list[str]:
+    """Canonical names of comma-separated jamp modes, aliases accepted (an argparse ``type``).
+
+    Example:
+      >>> modes("fp32, O2")
+      ['fp32', 'fp16_naive']
+    """
+    return [mixed_precision(name).name for name in split(text)]
+
+
+def parser(doc: str, json_out: bool = False) -> argparse.ArgumentParser:
+    """A parser described by ``doc``'s first line, with ``--out-dir``/``--no-write``.
+
+    With ``json_out``, ``--json`` instead (the processes of ``run_all``).
+
+    Example:
+      >>> parser("Counts.", json_out=True).parse_args(["--json", "r.json"]).json
+      'r.json'
+    """
+    ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    if json_out:
+        ap.add_argument("--json", default=None, help="write the results here")
+    else:
+        ap.add_argument("--out-dir", default=str(RESULTS), help="where to write the results")
+        ap.add_argument("--no-write", action="store_true", help="print only")
+    return ap
+
+
+def add_timing(ap: argparse.ArgumentParser, steps: int | None, warmup: int | None) -> None:
+    """Adds ``--steps`` (timed steps) and ``--warmup``: ``add_timing(ap, 20, 3)``."""
+    ap.add_argument("--steps", type=int, default=steps, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=warmup,
+                    help="untimed steps first (compiling ones included)")
+
+
+def add_vit(ap: argparse.ArgumentParser, variant: str | None = "b16", batch: int = 128) -> None:
+    """Adds the ViT step's shape flags (``--variant`` only if ``variant`` is given).
+
+    Example:
+      >>> ap = parser("Counts.")
+      >>> add_vit(ap, batch=8)
+      >>> args = ap.parse_args(["--num-layers", "1"])
+      >>> args.variant, args.patch_size, args.image_size, args.batch, args.num_layers
+      ('b16', None, 224, 8, 1)
+    """
+    if variant is not None:
+        ap.add_argument("--variant", default=variant, help="ti/s/b/l with patch size, e.g. b16")
+    ap.add_argument("--patch-size", type=int, default=None,
+                    help="patch size of a variant named without one")
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--num-classes", type=int, default=1000)
+    ap.add_argument("--num-layers", type=int, default=None, help="override (smoke tests)")

@@ -1,176 +1,221 @@
-"""Step-time overhead of ``jamp.loss_scale.DynamicLossScale`` over a plain optimizer.
+"""Step-time overhead of ``jamp.DynamicLossScale(adamw)`` over ``adamw``, on an MLP or a ViT.
 
-Trains a small MLP with ``optax.adamw`` twice in the same process: once plain,
-once wrapped as ``DynamicLossScale(adamw)`` with the loss scaled by
-``scale_loss``. Both steps are jitted with donated params and optimizer state,
-warmed up, then timed step by step (``block_until_ready`` after each step),
-alternating the two variants so that drift in machine load hits both alike.
-Reports the median step times and their ratio per batch size (the loss scale's
-cost is per parameter, the model's per example, so the ratio falls as the batch
-grows) and writes a markdown table to
-``benchmarks/results/loss_scale_overhead-<platform>-<date>.md``.
+Trains one float32 model twice in the same process: with plain ``optax.adamw``
+and with ``DynamicLossScale(adamw)`` plus ``jamp.scale_loss``. Both steps are
+jitted with donated params and optimizer state, warmed up, then timed step by
+step (``block_until_ready`` after each), alternating the two variants so that
+drift in machine load hits both alike; the ratio of median step times is the
+overhead.
+
+- ``--model mlp`` (default): an MLP (256 -> 3 x 512 -> 10, GELU) at batch 128 and
+  512, a step that is cheap per parameter. The loss scale's cost is per
+  parameter, the model's per example, so the ratio falls as the batch grows.
+  Writes ``results/loss_scale_overhead-<platform>-<date>.md`` and ``.json``.
+- ``--model vit``: a ViT (ViT-S/16, 22M parameters, 224px, batch 8). Writes
+  ``results/loss_scale_vit-<platform>-<date>.md`` and ``.json``.
 
 Usage::
 
-  python benchmarks/loss_scale_overhead.py              # full run, writes results/
-  python benchmarks/loss_scale_overhead.py --steps 3 --quick   # smoke run, no file
+  python -m benchmarks.loss_scale_overhead                     # MLP, batch 128 and 512
+  python -m benchmarks.loss_scale_overhead --model vit         # ViT-S/16, 224px, batch 8
+  python -m benchmarks.loss_scale_overhead --model vit --quick # smoke run, writes nothing
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import linen as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jamp
+from benchmarks import common, throughput
+from jamp.models import sizes
+from jamp.step import cross_entropy
 
-from jamp.loss_scale import DynamicLossScale, overflow_stats, scale_loss  # noqa: E402
+Model = tuple[Callable[..., jax.Array], Callable[[], Any], jax.Array, jax.Array, str]
+"""``(loss(params, x, y), init() -> params, x, y, label)``: what a measurement trains."""
 
-
-def init_mlp(key: jax.Array, sizes: list[int]) -> list[dict[str, jax.Array]]:
-    """Initialises an MLP as a list of ``{"w", "b"}`` layers."""
-    params = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
-        key, sub = jax.random.split(key)
-        w = jax.random.normal(sub, (fan_in, fan_out), jnp.float32) / jnp.sqrt(fan_in)
-        params.append({"w": w, "b": jnp.zeros((fan_out,), jnp.float32)})
-    return params
-
-
-def loss_fn(params, x, y):
-    """Softmax cross-entropy of the MLP on ``(x, y)``."""
-    h = x
-    for layer in params[:-1]:
-        h = jax.nn.gelu(h @ layer["w"] + layer["b"])
-    logits = h @ params[-1]["w"] + params[-1]["b"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+PRESETS = {"mlp": dict(steps=3000, warmup=50, batch=[128, 512], width=512, depth=3),
+           "vit": dict(steps=20, warmup=2, batch=[8], variant="s16", image_size=224)}
+"""Per model, the values of the flags not given."""
+QUICK = {"mlp": dict(steps=3, warmup=1, batch=[8], width=32),
+         "vit": dict(steps=1, warmup=0, batch=[2], variant="ti4", image_size=16, num_layers=1)}
+"""Per model, the smoke run of ``--quick`` (before ``PRESETS``)."""
+RESULT_NAMES = {"mlp": "loss_scale_overhead", "vit": "loss_scale_vit"}
+"""The results file kind per model."""
 
 
-def make_steps(tx_plain, tx_scaled):
-    """Returns the jitted plain and loss-scaled train steps (params/state donated)."""
+def mlp(args: argparse.Namespace, batch: int) -> Model:
+    """An MLP of ``args.depth`` hidden layers of ``args.width`` (GELU), and a batch for it.
 
-    def plain(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = tx_plain.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    Example:
+      >>> loss, init, x, y, label = mlp(argparse.Namespace(width=8, depth=1), 2)
+      >>> label, x.shape, loss(init(), x, y).shape
+      ('MLP [256, 8, 10] (GELU)', (2, 256), ())
+    """
+    widths = [256] + [args.width] * args.depth + [10]
+    kx, ky, kp = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (batch, widths[0]), jnp.float32)
+    y = jax.random.randint(ky, (batch,), 0, widths[-1])
 
-    def scaled(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(lambda p: scale_loss(loss_fn(p, x, y), opt_state))(params)
-        updates, opt_state = tx_scaled.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    def init() -> list[dict[str, jax.Array]]:
+        keys = jax.random.split(kp, len(widths) - 1)
+        return [{"w": jax.random.normal(k, (n, m), jnp.float32) / jnp.sqrt(n),
+                 "b": jnp.zeros((m,), jnp.float32)}
+                for k, n, m in zip(keys, widths[:-1], widths[1:], strict=True)]
 
-    return jax.jit(plain, donate_argnums=(0, 1)), jax.jit(scaled, donate_argnums=(0, 1))
+    def loss(params: list[dict[str, jax.Array]], x: jax.Array, y: jax.Array) -> jax.Array:
+        for layer in params[:-1]:
+            x = jax.nn.gelu(x @ layer["w"] + layer["b"])
+        return cross_entropy(x @ params[-1]["w"] + params[-1]["b"], y)
+
+    return loss, init, x, y, f"MLP {widths} (GELU)"
 
 
-def measure(batch, args, key):
-    """Times plain vs loss-scaled steps at one batch size; returns the medians (s)."""
-    sizes = [256] + [args.width] * args.depth + [10]
-    kx, ky, kp = jax.random.split(key, 3)
-    x = jax.random.normal(kx, (batch, sizes[0]), jnp.float32)
-    y = jax.random.randint(ky, (batch,), 0, sizes[-1])
+def vit(args: argparse.Namespace, batch: int) -> Model:
+    """The float32 ViT of ``args`` (``benchmarks.throughput.build_model``) and a batch for it."""
+    model = throughput.build_model("fp32", args)
+    data = throughput.synthetic_batch(args, batch)
+    x, y = data["image"], data["label"]
+    init = jax.jit(lambda: nn.unbox(model.init(jax.random.key(0), x[:1]))["params"])
+    return throughput.loss_fn(model), init, x, y, sizes.vit_label(args.variant, args.patch_size)
 
-    adamw = optax.adamw(1e-4)
-    tx_scaled = DynamicLossScale(adamw, init_scale=2.0**15, growth_interval=2000)
-    steps = dict(zip(("plain", "scaled"), make_steps(adamw, tx_scaled), strict=True))
+
+def make_step(loss: Callable[..., jax.Array], tx: optax.GradientTransformation,
+              scaled: bool) -> Callable:
+    """Jitted ``step(params, opt_state, x, y) -> (params, opt_state, loss)``, state donated.
+
+    With ``scaled`` the loss is multiplied by the state's loss scale (``jamp.scale_loss``).
+    """
+
+    def step(params, opt_state, x, y):
+        scale = (lambda v: jamp.scale_loss(v, opt_state)) if scaled else (lambda v: v)
+        value, grads = jax.value_and_grad(lambda p: scale(loss(p, x, y)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def measure(model: Model, *, warmup: int, steps: int) -> dict[str, Any]:
+    """Times plain vs loss-scaled steps, alternating; returns one row of the table (ms)."""
+    loss, init, x, y, _ = model
+    adamw = optax.adamw(1e-4, weight_decay=0.05)
+    txs = {"plain": adamw, "scaled": jamp.DynamicLossScale(adamw, init_scale=2.0**15)}
+    step = {name: make_step(loss, tx, name == "scaled") for name, tx in txs.items()}
     carry = {}
-    for name, tx in (("plain", adamw), ("scaled", tx_scaled)):
-        params = init_mlp(kp, sizes)
+    for name, tx in txs.items():
+        params = init()
         carry[name] = (params, tx.init(params))
-
-    # Steps alternate plain/scaled one by one, so drifts in machine load (other
-    # processes on a shared box) hit both variants alike; the medians drop outliers.
-    times = {"plain": [], "scaled": []}
-    for i in range(args.warmup + args.steps):
+    n_params = sum(p.size for p in jax.tree_util.tree_leaves(carry["plain"][0]))
+    times: dict[str, list[float]] = {"plain": [], "scaled": []}
+    for i in range(warmup + steps):
         for name in ("plain", "scaled") if i % 2 == 0 else ("scaled", "plain"):
             t0 = time.perf_counter()
-            params, opt_state, loss = steps[name](*carry[name], x, y)
-            jax.block_until_ready((params, opt_state, loss))
-            if i >= args.warmup:
+            params, opt_state, value = step[name](*carry[name], x, y)
+            jax.block_until_ready((params, opt_state, value))
+            if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
             carry[name] = (params, opt_state)
-    assert int(overflow_stats(carry["scaled"][1]).steps_skipped) == 0
-    n_params = sum(p.size for p in jax.tree_util.tree_leaves(carry["plain"][0]))
-    return {k: statistics.median(v) for k, v in times.items()}, sizes, n_params
+    plain, scaled = (statistics.median(times[name]) * 1e3 for name in ("plain", "scaled"))
+    return dict(batch=int(x.shape[0]), n_params=int(n_params), plain_ms=plain, scaled_ms=scaled,
+                ratio=scaled / plain, overhead_pct=(scaled / plain - 1) * 100,
+                steps_skipped=int(jamp.overflow_stats(carry["scaled"][1]).steps_skipped))
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Runs the benchmark; returns one row of figures per batch size."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=3000, help="timed steps per variant")
-    ap.add_argument("--warmup", type=int, default=50, help="untimed steps per variant")
-    ap.add_argument("--batches", type=str, default="128,512", help="comma-separated sizes")
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--depth", type=int, default=3, help="hidden layers")
+def to_markdown(r: dict[str, Any]) -> str:
+    """The results file: how it was measured, then the table (MLP and ViT columns differ)."""
+    vit_run, m = r["benchmark"] == "loss_scale_vit", r["machine"]
+    digits = 1 if vit_run else 3
+    lines = [
+        "# DynamicLossScale(adamw) vs adamw" + (" on a ViT train step" if vit_run
+                                                 else ": step-time overhead"), "",
+        f"- command: `{r['command']}`",
+        f"- date: {r['date']}; device: {r['device']} ({r['platform']}); host {m['processor']}, "
+        f"{m['cpus']} CPUs ({m['platform']}); jax {r['jax']}, optax {r['optax']}",
+        f"- model: {r['model']}" + (f", {r['image_size']}px" if vit_run else "") + " in float32,"
+        " softmax cross-entropy, AdamW; jit with donated params and optimizer state",
+        f"- timing: {r['warmup']} warm-up steps, then {r['steps']} per variant, alternating "
+        "plain/scaled step by step, block_until_ready after each; medians",
+        f"- 1-min load average before/after: {r['load_avg_before']} / {m['load_avg_1m']} "
+        "(a shared machine: other jobs add noise to both variants alike)",
+        "- target: <= 3% overhead", "",
+        ("| model | batch" if vit_run else "| batch | params") + " | adamw ms/step "
+        "| DynamicLossScale(adamw) ms/step | ratio | overhead |"
+        + (" steps skipped |" if vit_run else ""),
+        "|---" * (7 if vit_run else 6) + "|",
+    ]
+    for x in r["rows"]:
+        figures = (f"{x['plain_ms']:.{digits}f} | {x['scaled_ms']:.{digits}f} | {x['ratio']:.4f} "
+                   f"| {x['overhead_pct']:+.2f}%")
+        lines.append(f"| {r['model']} | {x['batch']} | {figures} | {x['steps_skipped']} |"
+                     if vit_run else f"| {x['batch']} | {x['n_params']} | {figures} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line flags; those not given take the model's ``QUICK``/``PRESETS`` values.
+
+    Example:
+      >>> args = parse_args(["--model", "vit", "--steps", "5"])
+      >>> args.steps, args.warmup, args.batch, args.variant
+      (5, 2, [8], 's16')
+    """
+    ap = common.parser(__doc__)
+    common.add_timing(ap, steps=None, warmup=None)
+    ap.add_argument("--model", choices=tuple(PRESETS), default="mlp")
+    ap.add_argument("--batch", type=lambda text: [int(b) for b in common.split(text)],
+                    help="comma-separated batch sizes (mlp: 128,512; vit: 8)")
+    ap.add_argument("--width", type=int, help="mlp: hidden width (512)")
+    ap.add_argument("--depth", type=int, help="mlp: hidden layers (3)")
+    ap.add_argument("--variant", help="vit: size and patch (s16)")
+    ap.add_argument("--image-size", type=int, help="vit: image side (224)")
+    ap.add_argument("--num-layers", type=int, help="vit: override (smoke tests)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run; writes no file")
-    ap.add_argument("--out", type=str, default=None, help="markdown output path")
+    ap.add_argument("--out", help="write the results to this .md (and .json)")
+    ap.set_defaults(patch_size=None, num_classes=1000, remat=False)
     args = ap.parse_args(argv)
-    if args.quick:
-        args.warmup, args.width, args.batches = 1, 32, "8"
+    for preset in (QUICK[args.model] if args.quick else {}), PRESETS[args.model]:
+        for key, value in preset.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    return args
 
-    backend = jax.default_backend()
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
-    print(f"backend={backend} machine=({machine}) jax={jax.__version__} optax={optax.__version__}")
-    load_before = os.getloadavg()[0]
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measures every batch size; prints one line each and writes the results file.
+
+    The file is written unless ``--no-write`` or ``--quick`` (``--out`` writes anyway).
+    """
+    args = parse_args(argv)
+    build = mlp if args.model == "mlp" else vit
+    load_before = common.machine()["load_avg_1m"]
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        med, sizes, n_params = measure(batch, args, jax.random.PRNGKey(0))
-        ratio = med["scaled"] / med["plain"]
-        rows.append(
-            dict(
-                batch=batch,
-                sizes=sizes,
-                n_params=n_params,
-                plain_ms=med["plain"] * 1e3,
-                scaled_ms=med["scaled"] * 1e3,
-                ratio=ratio,
-                overhead_pct=(ratio - 1.0) * 100.0,
-            )
-        )
-        print(
-            f"MLP {sizes} batch {batch} ({n_params} params): plain adamw "
-            f"{med['plain'] * 1e3:.3f} ms, DynamicLossScale(adamw) {med['scaled'] * 1e3:.3f} ms "
-            f"(medians of {args.steps}) -> ratio {ratio:.4f} ({(ratio - 1) * 100:+.2f}%)"
-        )
-
-    out = args.out
-    if out is None and not args.quick:
-        date = datetime.date.today().isoformat()
-        out = Path(__file__).parent / "results" / f"loss_scale_overhead-{backend}-{date}.md"
-    if out is not None:
-        cmd = " ".join(argv if argv is not None else sys.argv[1:])
-        table = "\n".join(
-            f"| {r['batch']} | {r['n_params']} | {r['plain_ms']:.3f} | {r['scaled_ms']:.3f} "
-            f"| {r['ratio']:.4f} | {r['overhead_pct']:+.2f}% |"
-            for r in rows
-        )
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(
-            "# DynamicLossScale(adamw) vs adamw: step-time overhead\n\n"
-            f"- command: `python benchmarks/loss_scale_overhead.py {cmd}`\n"
-            f"- date: {datetime.date.today().isoformat()}\n"
-            f"- backend: {backend}; machine: {machine} ({platform.platform()})\n"
-            f"- jax {jax.__version__}, optax {optax.__version__}\n"
-            f"- model: MLP {rows[0]['sizes']} (GELU, f32), softmax cross-entropy; jit with "
-            "donated params and optimizer state\n"
-            f"- timing: {args.warmup} warm-up steps, then {args.steps} steps per variant, "
-            "alternating plain/scaled step by step, block_until_ready after each; medians\n"
-            f"- 1-min load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
-            "(a shared machine: other jobs add noise to both variants alike)\n"
-            "- target: <= 3% overhead\n\n"
-            "| batch | params | adamw ms/step | DynamicLossScale(adamw) ms/step | ratio "
-            "| overhead |\n|---|---|---|---|---|---|\n" + table + "\n"
-        )
-        print(f"wrote {out}")
-    return rows
+    for batch in args.batch:
+        model = build(args, batch)
+        rows.append(measure(model, warmup=args.warmup, steps=args.steps))
+        r = rows[-1]
+        print(f"{model[-1]} batch {batch} ({r['n_params']:,} params): adamw {r['plain_ms']:.3f} "
+              f"ms, DynamicLossScale(adamw) {r['scaled_ms']:.3f} ms (medians of {args.steps}) "
+              f"-> ratio {r['ratio']:.4f} ({r['overhead_pct']:+.2f}%), "
+              f"{r['steps_skipped']} steps skipped", flush=True)
+    result = dict(**common.header("loss_scale_overhead", argv, RESULT_NAMES[args.model]),
+                  optax=optax.__version__, model=model[-1],
+                  image_size=args.image_size if args.model == "vit" else None,
+                  steps=args.steps, warmup=args.warmup, load_avg_before=load_before, rows=rows)
+    if args.out or not (args.no_write or args.quick):
+        stem = (Path(args.out).with_suffix("") if args.out else
+                common.results_stem(args.out_dir, result["benchmark"], result["platform"]))
+        common.write_results(stem, result, to_markdown(result))
+    return result
 
 
 if __name__ == "__main__":

@@ -10,39 +10,27 @@ ratios against fp32.
 
 Usage::
 
-  python benchmarks/memory.py                       # ViT-S/16 and ViT-B/16, 224px, batch 128
-  python benchmarks/memory.py --models ti16 --batch 2 --image-size 32 --out-dir /tmp/m
-
-Example:
-  >>> # result = main(["--models", "ti4", "--image-size", "8", "--batch", "2", "--no-write"])
+  python -m benchmarks.memory                       # ViT-S/16 and ViT-B/16, 224px, batch 128
+  python -m benchmarks.memory --models ti16 --batch 2 --image-size 32 --out-dir /tmp/m
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
-import jax
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import jamp  # noqa: E402
-from benchmarks import common, throughput  # noqa: E402
-
-_FIELDS = ("params_bytes", "grads_bytes", "opt_state_bytes", "residual_bytes",
-           "activation_bytes", "total_bytes")
+import jamp
+from benchmarks import common, throughput
+from jamp.models import sizes
 
 
 def measure(variant: str, mode: str, args: argparse.Namespace, remat: bool) -> dict[str, Any]:
     """The memory report of one model/mode as a row (bytes)."""
-    targs = throughput.parse_args(
-        ["--variant", variant, "--image-size", str(args.image_size), "--batch", str(args.batch),
-         "--num-classes", str(args.num_classes)] + (["--remat"] if remat else [])
-        + (["--num-layers", str(args.num_layers)] if args.num_layers else []))
+    targs = throughput.parse_args(["--variant", variant])
+    shape = ("patch_size", "image_size", "batch", "num_classes", "num_layers")
+    vars(targs).update(remat=remat, **{k: getattr(args, k) for k in shape})
     model, state = throughput.abstract_state(mode, targs)
-    label = common.vit_label(variant) + (" + remat" if remat else "")
+    label = sizes.vit_label(variant, targs.patch_size) + (" + remat" if remat else "")
     return dict(model=label, variant=variant, remat=remat, mode=mode,
                 **throughput.jax_memory(model, state, targs).as_dict())
 
@@ -86,39 +74,27 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Counts every model/mode; prints and writes the table."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="s16,b16", help="comma-separated ViT variants")
-    ap.add_argument("--modes", default=",".join(jamp.MODES))
-    ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--num-classes", type=int, default=1000)
-    ap.add_argument("--num-layers", type=int, default=None, help="override (smoke tests)")
-    ap.add_argument("--remat", default="b16",
+    """Counts every model/mode; prints and (unless ``--no-write``) writes the table."""
+    ap = common.parser(__doc__)
+    common.add_vit(ap, variant=None)
+    ap.add_argument("--models", type=common.split, default=["s16", "b16"],
+                    help="comma-separated ViT variants")
+    ap.add_argument("--modes", type=common.modes, default=list(jamp.MODES))
+    ap.add_argument("--remat", type=common.split, default=["b16"],
                     help="models also counted with remat (comma-separated; '' for none)")
-    ap.add_argument("--out-dir", default=str(common.RESULTS))
-    ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    remat = [m.strip() for m in args.remat.split(",") if m.strip()]
-    modes = [jamp.mixed_precision(m).name for m in args.modes.split(",") if m.strip()]
     rows = []
-    for variant, with_remat in [(m, False) for m in models] + [(m, True) for m in remat]:
-        for mode in modes:
-            rows.append(measure(variant, mode, args, with_remat))
+    for variant, remat in [(m, False) for m in args.models] + [(m, True) for m in args.remat]:
+        for mode in args.modes:
+            rows.append(measure(variant, mode, args, remat))
             r = rows[-1]
             print(f"{r['model']:<18} {mode:<11} total {common.gib(r['total_bytes'])}  "
                   f"residuals {common.gib(r['residual_bytes'])}", flush=True)
-    result = dict(
-        benchmark="memory", date=common.today(), platform=jax.default_backend(),
-        jax=jax.__version__, command=common.command("memory.py", argv),
-        image_size=args.image_size, batch=args.batch, num_classes=args.num_classes,
-        results=with_ratios(rows))
+    result = dict(**common.header("memory", argv), image_size=args.image_size,
+                  batch=args.batch, num_classes=args.num_classes, results=with_ratios(rows))
     if not args.no_write:
-        stem = Path(args.out_dir) / f"memory-{jax.default_backend()}-{common.today()}"
-        common.write_json(stem.with_suffix(".json"), result)
-        stem.with_suffix(".md").write_text(to_markdown(result))
-        print(f"wrote {stem}.md/.json", flush=True)
+        common.write_results(common.results_stem(args.out_dir, "memory", result["platform"]),
+                             result, to_markdown(result))
     return result
 
 

@@ -1,6 +1,6 @@
 """jamp vs PyTorch AMP on one device: throughput, memory, max batch and MFU per mode.
 
-Runs ``throughput.py`` (jamp) and ``torch_amp.py`` (PyTorch) as subprocesses on
+Runs ``benchmarks.throughput`` (jamp) and ``benchmarks.torch_amp`` (PyTorch) as processes on
 the same device, one process per mode so every peak-memory figure is that
 mode's own, then writes ``benchmarks/results/throughput-<device>-<date>.md``,
 ``.json`` and ``.png`` (bar charts): per mode, jamp vs PyTorch images/s and
@@ -10,13 +10,9 @@ bfloat16 to float32 and the figures only show that the pipeline works).
 
 Usage::
 
-  python benchmarks/run_all.py                       # ViT-B/16, 224px, batch 128, on the GPU
-  python benchmarks/run_all.py --variant ti16 --image-size 64 --batch 8 --steps 5   # CPU
-  python benchmarks/run_all.py --keep-dir /tmp/bench   # repeat until done if a call is cut off
-
-Example:
-  >>> # result = main(["--variant", "ti4", "--image-size", "32", "--batch", "2",
-  >>> #                "--num-layers", "1", "--steps", "1", "--out-dir", "/tmp/r"])
+  python -m benchmarks.run_all                       # ViT-B/16, 224px, batch 128, on the GPU
+  python -m benchmarks.run_all --variant ti16 --image-size 64 --batch 8 --steps 5   # CPU
+  python -m benchmarks.run_all --keep-dir /tmp/bench   # repeat until done if a call is cut off
 """
 
 from __future__ import annotations
@@ -32,12 +28,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jamp
+from benchmarks import common
+from jamp.models import sizes
 
-from benchmarks import common  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
-JAMP_MODES = ("fp32", "fp16", "bf16", "fp16_naive", "fp16_pure", "bf16_pure")
+REPO = Path(__file__).resolve().parents[1]
 TORCH_FOR = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 """The PyTorch run each jamp mode is compared with (same precision recipe)."""
 
@@ -49,12 +44,12 @@ REFERENCE = (
 
 
 def _run(script: str, flags: list[str], json_path: Path, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, str(HERE / script), *flags, "--json", str(json_path)]
-    print("$", " ".join(cmd[1:]), flush=True)
+    cmd = [sys.executable, "-m", f"benchmarks.{script}", *flags, "--json", str(json_path)]
+    print("$ python", " ".join(cmd[1:]), flush=True)
     env = {**os.environ}
     # Let XLA's allocator use as much of the GPU as PyTorch may (--memory-fraction 0.95).
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    subprocess.run(cmd, check=True, timeout=timeout, env=env)
+    subprocess.run(cmd, check=True, timeout=timeout, env=env, cwd=REPO)
     return json.loads(json_path.read_text())
 
 
@@ -126,7 +121,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     cpu = d["platform"] == "cpu"
     ips = lambda v: common.fmt(v, ",.1f")
     lines = [
-        f"# jamp vs PyTorch AMP: {common.vit_label(c['variant'])} training on "
+        f"# jamp vs PyTorch AMP: {sizes.vit_label(c['variant'])} training on "
         f"{d['device_kind']}", "",
         f"- command: `{result['command']}`",
         f"- date: {result['date']}; device: {d['device_kind']} ({d['platform']}); peak "
@@ -228,7 +223,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xticks(x, modes, rotation=20)
         ax.legend(fontsize=8)
     c = result["config"]
-    fig.suptitle(f"{common.vit_label(c['variant'])} {c['image_size']}px batch {c['batch']} on "
+    fig.suptitle(f"{sizes.vit_label(c['variant'])} {c['image_size']}px batch {c['batch']} on "
                  f"{result['device']['device_kind']} ({result['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -236,16 +231,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Runs both benchmarks and writes the comparison files."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", default="b16")
-    ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--num-layers", type=int, default=None, help="override (smoke tests)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--modes", default=",".join(JAMP_MODES), help="jamp modes")
-    ap.add_argument("--torch-modes", default="fp32,fp16,bf16")
+    """Runs both benchmarks and (unless ``--no-write``) writes the comparison files."""
+    ap = common.parser(__doc__)
+    common.add_vit(ap)
+    common.add_timing(ap, steps=20, warmup=3)
+    ap.add_argument("--modes", type=common.modes, default=list(jamp.MODES), help="jamp modes")
+    ap.add_argument("--torch-modes", type=common.split, default=["fp32", "fp16", "bf16"])
     ap.add_argument("--torch-compile", default="eager,compile", help="eager and/or compile")
     ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=True,
                     help="search the largest batch per mode (GPU only; n/a on CPU)")
@@ -253,17 +244,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch CPU threads (1 on a busy shared CPU host)")
     ap.add_argument("--timeout", type=float, default=3600, help="per subprocess, seconds")
-    ap.add_argument("--out-dir", default=str(common.RESULTS))
     ap.add_argument("--keep-dir", default=None,
                     help="keep each subprocess's JSON here and reuse it when the same command "
                          "is run again (to finish a long run in several shorter calls)")
     args = ap.parse_args(argv)
 
-    shared = ["--variant", args.variant, "--image-size", str(args.image_size),
-              "--batch", str(args.batch), "--steps", str(args.steps),
-              "--warmup", str(args.warmup)]
-    if args.num_layers:
-        shared += ["--num-layers", str(args.num_layers)]
+    shared = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+              if v is not None and k in ("variant", "patch_size", "image_size", "batch",
+                                         "num_classes", "num_layers", "steps", "warmup")]
     extra = ["--max-batch"] if args.max_batch else []
     jamp_runs, torch_runs = [], []
     keep = args.keep_dir
@@ -279,40 +267,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 return json.loads(path.read_text())
             return _run(script, flags, path, args.timeout)
 
-        for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        for mode in args.modes:
             flags = shared + ["--modes", mode] + extra + (["--remat"] if args.remat else [])
-            jamp_runs.append(child("throughput.py", f"jamp-{mode}", flags))
-        for mode in [m.strip() for m in args.torch_modes.split(",") if m.strip()]:
+            jamp_runs.append(child("throughput", f"jamp-{mode}", flags))
+        for mode in args.torch_modes:
             flags = shared + ["--modes", mode, "--compile", args.torch_compile] + extra
             if args.torch_threads:
                 flags += ["--threads", str(args.torch_threads)]
-            torch_runs.append(child("torch_amp.py", f"torch-{mode}", flags))
+            torch_runs.append(child("torch_amp", f"torch-{mode}", flags))
     device = jamp_runs[0]["device"]
     on_cpu = device["platform"] == "cpu"
     rows = merge(jamp_runs, torch_runs)
     first = lambda runs, key: next((r[key] for run in runs for r in run["results"]), None)
     result = dict(
-        benchmark="throughput", date=common.today(), device=device,
+        **common.header("run_all", argv, "throughput", with_jax=False), device=device,
         torch_device=torch_runs[0]["device"] if torch_runs else {"torch": "not run"},
-        command=common.command("run_all.py", argv),
         config=dict(variant=args.variant, image_size=args.image_size, batch=args.batch,
                     steps=args.steps, warmup=args.warmup, remat=args.remat,
-                    num_classes=jamp_runs[0]["config"]["num_classes"],
-                    num_layers=args.num_layers),
+                    num_classes=args.num_classes, num_layers=args.num_layers),
         flops_per_image=first(jamp_runs, "flops_per_image"),
         torch_impl=first(torch_runs, "impl") or "not run",
         jamp_max_batch_method=first(jamp_runs, "max_batch_method"),
         torch_max_batch_method=next((r["max_batch_method"] for run in torch_runs
                                      for r in run["results"] if not r["compiled"]), "not run"),
         rows=rows, targets=targets(rows, on_cpu), jamp=jamp_runs, torch=torch_runs)
-    name = "cpu" if on_cpu else common.slug(device["device_kind"])
-    stem = Path(args.out_dir) / f"throughput-{name}-{result['date']}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    plot(result, stem.with_suffix(".png"))
-    result["plot"] = stem.with_suffix(".png").name
-    common.write_json(stem.with_suffix(".json"), result)
-    stem.with_suffix(".md").write_text(to_markdown(result))
-    print(f"wrote {stem}.md/.json/.png", flush=True)
+    stem = common.results_stem(args.out_dir, "throughput",
+                               "cpu" if on_cpu else common.slug(device["device_kind"]))
+    result["plot"] = f"{stem.name}.png"
+    if not args.no_write:
+        common.write_results(stem, result, to_markdown(result))
+        plot(result, Path(f"{stem}.png"))
     return result
 
 

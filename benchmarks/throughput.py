@@ -9,11 +9,11 @@ steps one by one with ``block_until_ready``. Reports per mode:
 - images/s from the median step time (and the p10/p90 step times);
 - peak device memory from ``device.memory_stats()`` (GPU/TPU; ``None`` on CPU).
   The allocator's peak covers the whole process, so for one figure per mode run
-  one mode per process (``run_all.py`` does);
+  one mode per process (``run_all`` does);
 - the compiled step's XLA memory analysis (arguments + outputs - aliased + temps);
 - the JAX-level memory report (``jamp.memory_report``: params, grads, optimizer
   state, residuals, activations);
-- MFU: analytic training FLOPs per image (``common.train_flops_per_image``)
+- MFU: analytic training FLOPs per image (``sizes.train_flops_per_image``)
   times images/s over the device's dense bf16/fp16 peak (known GPUs only);
 - with ``--max-batch``: the largest batch (multiple of 8) whose compiled step
   fits the device's memory limit, from XLA's compile-time memory analysis
@@ -26,24 +26,18 @@ that the pipeline works, not what half precision gains.
 
 Usage::
 
-  python benchmarks/throughput.py                                   # ViT-B/16, 224px, batch 128
-  python benchmarks/throughput.py --variant ti16 --image-size 64 --batch 8 --steps 5 \\
+  python -m benchmarks.throughput                                   # ViT-B/16, 224px, batch 128
+  python -m benchmarks.throughput --variant ti16 --image-size 64 --batch 8 --steps 5 \\
       --modes fp32,bf16 --json /tmp/tp.json
-  python benchmarks/throughput.py --modes bf16 --max-batch --remat
-
-Example:
-  >>> # rows = main(["--variant", "ti4", "--image-size", "32", "--batch", "2",
-  >>> #              "--num-layers", "1", "--steps", "1", "--warmup", "1"])
+  python -m benchmarks.throughput --modes bf16 --max-batch --remat
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -53,22 +47,48 @@ import optax
 from flax import linen as nn
 from flax.training import train_state
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jamp
+from benchmarks import common
+from jamp.models import sizes, vit
+from jamp.step import cross_entropy
 
-import jamp  # noqa: E402
-from benchmarks import common  # noqa: E402
-from jamp.models import vit  # noqa: E402
-from jamp.step import cross_entropy  # noqa: E402
+
+def build_model(mode: str | jamp.MixedPrecision, args: argparse.Namespace) -> nn.Module:
+    """The ViT of ``args`` (``variant``, ``patch_size``, ``num_classes``...) under a mode's policy.
+
+    Example:
+      >>> args = parse_args(["--variant", "ti4", "--num-layers", "1"])
+      >>> build_model("bf16", args).inner.num_layers
+      1
+    """
+    layers = {"num_layers": args.num_layers} if args.num_layers else {}
+    return jamp.apply_policy(vit.create(args.variant, num_classes=args.num_classes,
+                                        patch_size=args.patch_size or 16, remat=args.remat,
+                                        **layers), mode)
+
+
+def loss_fn(model: nn.Module) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+    """``loss(params, images, labels)``: the float32 cross-entropy of a train-mode forward pass.
+
+    Example:
+      >>> model = build_model("fp32", parse_args(["--variant", "ti4", "--num-layers", "1",
+      ...                                         "--num-classes", "3"]))
+      >>> x, y = jnp.zeros((2, 8, 8, 3)), jnp.array([0, 1])
+      >>> params = nn.unbox(model.init(jax.random.key(0), x))["params"]
+      >>> round(float(loss_fn(model)(params, x, y)), 4)  # zero-initialised head: ln 3
+      1.0986
+    """
+
+    def loss(params: Any, images: jax.Array, labels: jax.Array) -> jax.Array:
+        return cross_entropy(model.apply({"params": params}, images, train=True), labels)
+
+    return loss
 
 
 def model_and_init(mode: str, args: argparse.Namespace) -> tuple[nn.Module, Callable]:
     """The policy-wrapped ViT and ``create(rng) -> TrainState`` (AdamW wrapped for the mode)."""
     mp = jamp.mixed_precision(mode)
-    size, patch = common.parse_variant(args.variant, args.patch_size)
-    dims = common.vit_dims(args.variant, num_layers=args.num_layers)
-    module = vit.create(size, num_classes=args.num_classes, patch_size=patch,
-                        remat=args.remat, **dims)
-    model = jamp.apply_policy(module, mp)
+    model = build_model(mp, args)
     tx = jamp.make_optimizer(mp, optax.adamw(args.learning_rate, weight_decay=0.05))
     image = jnp.zeros((1, args.image_size, args.image_size, 3), jnp.float32)
 
@@ -130,13 +150,9 @@ def jax_memory(model: nn.Module, state: train_state.TrainState,
     """``jamp.memory_report`` of one step at the benchmark's batch (shapes only)."""
     images = jax.ShapeDtypeStruct((args.batch, args.image_size, args.image_size, 3), jnp.float32)
     labels = jax.ShapeDtypeStruct((args.batch,), jnp.int32)
-
-    def loss_fn(params, x, y):
-        return cross_entropy(model.apply({"params": params}, x, train=True), y)
-
     abstract = lambda t: jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
-    return jamp.memory_report(loss_fn, abstract(state.params), images, labels,
+    return jamp.memory_report(loss_fn(model), abstract(state.params), images, labels,
                               opt_state=abstract(state.opt_state))
 
 
@@ -238,7 +254,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     times = common.time_steps(step, warmup=max(args.warmup - 1, 0), steps=args.steps)
     metrics = jax.device_get(carry["metrics"])
     stats = device.memory_stats() or {}
-    flops = common.train_flops_per_image(
+    flops = sizes.train_flops_per_image(
         args.variant, image_size=args.image_size, patch_size=args.patch_size,
         num_classes=args.num_classes, num_layers=args.num_layers)
     row: dict[str, Any] = dict(
@@ -280,17 +296,18 @@ def device_info() -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Command-line flags (see the module docstring)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", default="b16", help="ti/s/b/l with patch size, e.g. b16")
-    ap.add_argument("--patch-size", type=int, default=None, help="overrides the variant's")
-    ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--num-classes", type=int, default=1000)
-    ap.add_argument("--num-layers", type=int, default=None, help="override (smoke tests)")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
-    ap.add_argument("--modes", default=",".join(jamp.MODES), help="comma-separated")
+    """Command-line flags (see the module docstring).
+
+    Example:
+      >>> args = parse_args(["--variant", "s8", "--modes", "O1,bf16"])
+      >>> args.patch_size, args.modes
+      (8, ['fp16', 'bf16'])
+    """
+    ap = common.parser(__doc__, json_out=True)
+    common.add_vit(ap)
+    common.add_timing(ap, steps=20, warmup=3)
+    ap.add_argument("--modes", type=common.modes, default=list(jamp.MODES),
+                    help="comma-separated, aliases accepted")
     ap.add_argument("--learning-rate", type=float, default=1e-4)
     ap.add_argument("--remat", action="store_true", help="rematerialise each block")
     ap.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True,
@@ -302,10 +319,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="limit for --max-batch (default: the device allocator's limit)")
     ap.add_argument("--memory-headroom", type=float, default=1.0,
                     help="fraction of the allocator's limit a step may use")
-    ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    args.patch_size = common.parse_variant(args.variant, args.patch_size or 16)[1]
-    args.modes = [jamp.mixed_precision(m).name for m in args.modes.split(",") if m.strip()]
+    args.patch_size = sizes.parse_variant(args.variant, args.patch_size or 16)[1]
     return args
 
 
@@ -325,12 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"JAX-level {common.gib(row['jax_memory']['total_bytes'])}  "
               f"MFU {common.fmt(row['mfu'], '.1%')}  max batch {common.fmt(row['max_batch'], 'd')}"
               f"  loss {row['final_loss']:.3f}", flush=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("json", "modes")}
-    result = dict(benchmark="throughput", framework="jamp", device=info, config=config,
-                  results=rows)
-    if args.json:
-        common.write_json(args.json, result)
-    return result
+    return common.process_result(args, "jamp", info, rows)
 
 
 if __name__ == "__main__":

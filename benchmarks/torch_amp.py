@@ -13,7 +13,7 @@ LayerNorm eps 1e-6). Modes:
 
 each eager and/or under ``torch.compile`` (``--compile eager,compile``). The
 batch is synthetic and lives on the device. Reported per run, like
-``throughput.py``: images/s from the median step time (``torch.cuda.synchronize``
+``benchmarks.throughput``: images/s from the median step time (``torch.cuda.synchronize``
 after each step), peak memory (``torch.cuda.max_memory_allocated`` since a reset;
 ``None`` on CPU), MFU from the analytic FLOPs, and with ``--max-batch`` the
 largest batch (multiple of 8) that trains without running out of memory, found
@@ -21,12 +21,8 @@ by trying steps (CUDA eager only; ``None`` elsewhere).
 
 Usage::
 
-  python benchmarks/torch_amp.py                         # ViT-B/16, 224px, batch 128
-  python benchmarks/torch_amp.py --variant ti16 --image-size 64 --batch 8 --steps 5
-
-Example:
-  >>> # main(["--variant", "ti4", "--image-size", "32", "--batch", "2", "--num-layers", "1",
-  >>> #       "--steps", "1", "--warmup", "1", "--compile", "eager"])
+  python -m benchmarks.torch_amp                         # ViT-B/16, 224px, batch 128
+  python -m benchmarks.torch_amp --variant ti16 --image-size 64 --batch 8 --steps 5
 """
 
 from __future__ import annotations
@@ -34,18 +30,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common  # noqa: E402
+from benchmarks import common
+from jamp.models import sizes
 
 TORCH_MODES = ("fp32", "fp16", "bf16")
 _AUTOCAST = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -109,7 +102,7 @@ class ViT(nn.Module):
 
 def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
     """timm's model where asked/available and named, else :class:`ViT`; and which one."""
-    size, patch = common.parse_variant(args.variant, args.patch_size)
+    size, patch = sizes.parse_variant(args.variant, args.patch_size)
     timm_name = {"ti": "tiny", "s": "small", "b": "base", "l": "large"}[size]
     timm_name = f"vit_{timm_name}_patch{patch}_{args.image_size}"
     if args.impl in ("auto", "timm") and args.num_layers is None:
@@ -121,10 +114,10 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
         except Exception:  # noqa: BLE001 - not installed, or a shape timm does not name
             if args.impl == "timm":
                 raise
-    dims = common.vit_dims(args.variant, num_layers=args.num_layers)
+    dims = sizes.vit_dims(args.variant, num_layers=args.num_layers)
     model = ViT(image_size=args.image_size, patch_size=patch, num_classes=args.num_classes,
                 **dims)
-    return model, "benchmarks/torch_amp.py ViT (timm not used)"
+    return model, "benchmarks.torch_amp ViT (timm not used)"
 
 
 def _sync(device: torch.device) -> None:
@@ -214,7 +207,7 @@ def run(mode: str, compiled: bool, args: argparse.Namespace,
 
     times = common.time_steps(timed, warmup=max(args.warmup - 1, 0), steps=args.steps)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    flops = common.train_flops_per_image(
+    flops = sizes.train_flops_per_image(
         args.variant, image_size=args.image_size, patch_size=args.patch_size,
         num_classes=args.num_classes, num_layers=args.num_layers)
     name = common.peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -245,18 +238,18 @@ def device_info(device: torch.device) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Command-line flags (see the module docstring)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", default="b16")
-    ap.add_argument("--patch-size", type=int, default=None)
-    ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--num-classes", type=int, default=1000)
-    ap.add_argument("--num-layers", type=int, default=None, help="override (smoke tests)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps, the first included")
-    ap.add_argument("--modes", default=",".join(TORCH_MODES))
-    ap.add_argument("--compile", default="eager,compile",
+    """Command-line flags (see the module docstring).
+
+    Example:
+      >>> args = parse_args(["--variant", "s", "--patch-size", "8", "--compile", "eager"])
+      >>> args.patch_size, args.modes, args.compile
+      (8, ['fp32', 'fp16', 'bf16'], ['eager'])
+    """
+    ap = common.parser(__doc__, json_out=True)
+    common.add_vit(ap)
+    common.add_timing(ap, steps=20, warmup=3)
+    ap.add_argument("--modes", type=common.split, default=list(TORCH_MODES))
+    ap.add_argument("--compile", type=common.split, default=["eager", "compile"],
                     help="comma-separated: eager and/or compile (torch.compile)")
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode")
     ap.add_argument("--impl", choices=("auto", "timm", "local"), default="auto")
@@ -269,14 +262,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (CPU; 1 avoids stalls on a busy shared host)")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    args.patch_size = common.parse_variant(args.variant, args.patch_size or 16)[1]
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.patch_size = sizes.parse_variant(args.variant, args.patch_size or 16)[1]
     unknown = sorted(set(args.modes) - set(TORCH_MODES))
     if unknown:
         ap.error(f"unknown mode(s) {unknown}; PyTorch modes: {', '.join(TORCH_MODES)}")
-    args.compile = [c.strip() for c in args.compile.split(",") if c.strip()]
     if set(args.compile) - {"eager", "compile"}:
         ap.error("--compile takes eager and/or compile")
     return args
@@ -305,12 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"peak {common.gib(row['peak_bytes'])}  MFU {common.fmt(row['mfu'], '.1%')}  "
                   f"max batch {common.fmt(row['max_batch'], 'd')}  loss {row['final_loss']:.3f}",
                   flush=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("json", "modes")}
-    result = dict(benchmark="throughput", framework="torch", device=info, config=config,
-                  results=rows)
-    if args.json:
-        common.write_json(args.json, result)
-    return result
+    return common.process_result(args, "torch", info, rows)
 
 
 if __name__ == "__main__":

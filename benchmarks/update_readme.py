@@ -3,16 +3,15 @@
 Only the text between ``<!-- perf-table:start -->``/``<!-- perf-table:end -->`` and
 ``<!-- accuracy-table:start -->``/``<!-- accuracy-table:end -->`` changes; it is
 rendered from the committed JSON results (the newest file of each kind and
-device) and the loss-scale overhead table, so the README's numbers are never
+device) and the MLP loss-scale overhead table, so the README's numbers are never
 typed by hand. ``--check`` changes nothing and exits 1 when the README is stale.
 
 Usage::
 
-  python benchmarks/update_readme.py            # rewrite the two blocks of README.md
-  python benchmarks/update_readme.py --check    # CI-style: is README.md up to date?
+  python -m benchmarks.update_readme            # rewrite the two blocks of README.md
+  python -m benchmarks.update_readme --check    # CI-style: is README.md up to date?
 
 Example:
-  >>> from benchmarks.update_readme import replace_block
   >>> replace_block("a <!-- x:start -->old<!-- x:end --> b", "x", "new\\n")
   'a <!-- x:start -->\\nnew\\n<!-- x:end --> b'
 """
@@ -25,9 +24,8 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common  # noqa: E402
+from benchmarks import common
+from jamp.models import sizes
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 _NAME = re.compile(
@@ -38,7 +36,6 @@ def latest(results: Path, kind: str, ext: str = "json") -> dict[str, Path]:
     """The newest ``<kind>-<device>-<date>.<ext>`` per device, GPUs before CPU.
 
     Example:
-      >>> from benchmarks.update_readme import latest
       >>> import tempfile, pathlib
       >>> d = pathlib.Path(tempfile.mkdtemp())
       >>> for n in ("memory-cpu-2026-01-01.json", "memory-cpu-2026-02-01.json"):
@@ -55,8 +52,27 @@ def latest(results: Path, kind: str, ext: str = "json") -> dict[str, Path]:
     return {device: found[device][1] for device in order}
 
 
+def current_command(command: str) -> str:
+    """A results file's command as it runs now: ``python -m benchmarks.<name> ...``.
+
+    Results written before the benchmarks were a package name the script's file;
+    the ViT loss-scale script is now ``loss_scale_overhead --model vit``.
+
+    Example:
+      >>> current_command("python benchmarks/memory.py --batch 2")
+      'python -m benchmarks.memory --batch 2'
+      >>> current_command("python benchmarks/loss_scale_vit.py ")
+      'python -m benchmarks.loss_scale_overhead --model vit'
+    """
+    m = re.match(r"python benchmarks/(\w+)\.py\b", command.strip())
+    if m is None:
+        return command.strip()
+    name = "loss_scale_overhead --model vit" if m[1] == "loss_scale_vit" else m[1]
+    return f"python -m benchmarks.{name}{command.strip()[m.end():]}"
+
+
 def _cmd(result: dict) -> str:
-    return f"`{result['command'].strip()}`"
+    return f"`{current_command(result['command'])}`"
 
 
 def _link(path: Path) -> str:
@@ -69,7 +85,7 @@ def throughput_section(path: Path) -> list[str]:
     d, c = r["device"], r["config"]
     cpu = d["platform"] == "cpu"
     lines = [
-        f"**{common.vit_label(c['variant'])}, {c['image_size']}px, batch {c['batch']}, AdamW, "
+        f"**{sizes.vit_label(c['variant'])}, {c['image_size']}px, batch {c['batch']}, AdamW, "
         f"on {d['device_kind']}** ({r['date']}; {_link(path.with_suffix('.md'))}, "
         f"{_cmd(r)})", "",
     ]
@@ -103,7 +119,7 @@ def throughput_section(path: Path) -> list[str]:
 
 
 def memory_section(path: Path) -> list[str]:
-    """Totals per mode and model from a memory.py result, with ratios against fp32."""
+    """Totals per mode and model from a ``benchmarks.memory`` result, with ratios against fp32."""
     r = json.loads(path.read_text())
     models = list(dict.fromkeys(row["model"] for row in r["results"]))
     modes = list(dict.fromkeys(row["mode"] for row in r["results"]))
@@ -137,21 +153,21 @@ def loss_scale_section(path: Path) -> list[str]:
 
 
 def loss_scale_vit_section(path: Path) -> list[str]:
-    """The loss-scale overhead on a ViT train step (``loss_scale_vit.py``)."""
+    """The loss-scale overhead on a ViT train step (``loss_scale_overhead --model vit``)."""
     r = json.loads(path.read_text())
     return [
         f"**The same on a ViT train step** ({_link(path.with_suffix('.md'))}, {_cmd(r)})",
         "", "| model | batch | params | adamw ms/step | DynamicLossScale(adamw) ms/step | ratio "
         "| overhead |", "|---|---|---|---|---|---|---|",
-        f"| {r['model']}, {r['image_size']}px, {r['platform']} | {r['batch']} | {r['n_params']} "
-        f"| {r['plain_ms']:.1f} | {r['scaled_ms']:.1f} | {r['ratio']:.4f} "
-        f"| {r['overhead_pct']:+.2f}% |", ""]
+        *(f"| {r['model']}, {r['image_size']}px, {r['platform']} | {x['batch']} "
+          f"| {x['n_params']} | {x['plain_ms']:.1f} | {x['scaled_ms']:.1f} | {x['ratio']:.4f} "
+          f"| {x['overhead_pct']:+.2f}% |" for x in r.get("rows", [r])), ""]
 
 
 def perf_block(results: Path) -> str:
     """The text of the perf-table block."""
-    lines = ["Generated by `python benchmarks/update_readme.py` from `benchmarks/results/`; "
-             "reproduce the comparison with `python benchmarks/run_all.py` (defaults: ViT-B/16, "
+    lines = ["Generated by `python -m benchmarks.update_readme` from `benchmarks/results/`; "
+             "reproduce the comparison with `python -m benchmarks.run_all` (defaults: ViT-B/16, "
              "224px, batch 128, every mode, PyTorch eager and `torch.compile`).", ""]
     throughput = latest(results, "throughput")
     if not throughput:
@@ -177,7 +193,7 @@ def accuracy_block(results: Path) -> str:
             f"**Accuracy parity**: {c['model']} ({c['layers']}) on the embedded {c['dataset']}, "
             f"batch {c['batch_size']}, {c['num_epochs']} epochs, one run per mode on "
             f"{r['device']} ({r['date']}; {_link(path.with_suffix('.md'))}, {_cmd(r)}). "
-            "Generated by `python benchmarks/update_readme.py`.", "",
+            "Generated by `python -m benchmarks.update_readme`.", "",
             "| mode | test accuracy | vs fp32 | steps | steps skipped | final loss scale "
             "| outcome |",
             "|---|---|---|---|---|---|---|",
@@ -221,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     new = render(old, Path(args.results))
     if args.check:
         if new != old:
-            print(f"{path} is out of date: run python benchmarks/update_readme.py")
+            print(f"{path} is out of date: run python -m benchmarks.update_readme")
             return 1
         print(f"{path} is up to date")
         return 0

@@ -2,12 +2,13 @@
 
 Also checks the analytic FLOPs, the batch search, that the PyTorch baseline is the
 same model as jamp's ViT, and that the README's generated tables are what
-``benchmarks/update_readme.py`` renders from the committed results.
+``python -m benchmarks.update_readme`` renders from the committed results.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks import common, run_all, update_readme
+from jamp.models import sizes
 
-from benchmarks import common, run_all, update_readme  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 TINY = ["--variant", "ti4", "--image-size", "16", "--batch", "2", "--num-layers", "1",
         "--steps", "1", "--warmup", "1"]
@@ -27,9 +28,9 @@ TINY = ["--variant", "ti4", "--image-size", "16", "--batch", "2", "--num-layers"
 def test_vit_sizes_and_flops():
     from jamp.models import vit
 
-    assert common.VIT_SIZES == vit.VARIANTS
-    assert common.vit_macs("b16", image_size=224) == pytest.approx(17.56e9, rel=1e-3)
-    assert common.train_flops_per_image("b16", image_size=224) == pytest.approx(105.4e9, rel=1e-3)
+    assert vit.VARIANTS is sizes.VIT_SIZES  # one table for the model and the benchmarks
+    assert sizes.vit_macs("b16", image_size=224) == pytest.approx(17.56e9, rel=1e-3)
+    assert sizes.train_flops_per_image("b16", image_size=224) == pytest.approx(105.4e9, rel=1e-3)
     assert common.peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert common.peak_tflops("NVIDIA H200") == 989.0
     assert common.peak_tflops("TFRT_CPU_0") is None
@@ -69,7 +70,7 @@ def test_run_all_one_step_each(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     from benchmarks import throughput, torch_amp
 
-    scripts = {"throughput.py": throughput, "torch_amp.py": torch_amp}
+    scripts = {"throughput": throughput, "torch_amp": torch_amp}
 
     def in_process(script, flags, json_path, timeout):  # same flags, no new interpreter
         scripts[script].main([*flags, "--json", str(json_path)])
@@ -119,11 +120,25 @@ def test_memory_every_mode(tmp_path):
 
 
 def test_loss_scale_vit_one_step(tmp_path):
-    from benchmarks import loss_scale_vit
+    from benchmarks import loss_scale_overhead
 
-    result = loss_scale_vit.main([*TINY, "--warmup", "0", "--out-dir", str(tmp_path)])
-    assert result["steps_skipped"] == 0 and result["ratio"] > 0
+    result = loss_scale_overhead.main(["--model", "vit", *TINY, "--warmup", "0",
+                                       "--out-dir", str(tmp_path)])
+    (row,) = result["rows"]
+    assert row["steps_skipped"] == 0 and row["ratio"] > 0
     assert (tmp_path / f"loss_scale_vit-cpu-{common.today()}.md").exists()
+
+
+def test_loss_scale_mlp_quick_as_a_module(tmp_path):
+    out = tmp_path / "bench.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.loss_scale_overhead", "--quick", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ratio" in proc.stdout
+    text = out.read_text()
+    assert "python -m benchmarks.loss_scale_overhead --quick" in text and "\n| 8 | " in text
+    assert json.loads(out.with_suffix(".json").read_text())["rows"][0]["steps_skipped"] == 0
 
 
 def test_accuracy_one_step(tmp_path):
@@ -141,7 +156,7 @@ def test_accuracy_one_step(tmp_path):
 
 def test_readme_tables_are_generated_from_committed_results(tmp_path):
     readme = (REPO / "README.md").read_text()
-    assert update_readme.render(readme) == readme, "run python benchmarks/update_readme.py"
+    assert update_readme.render(readme) == readme, "run python -m benchmarks.update_readme"
     copy = tmp_path / "README.md"
     copy.write_text(readme)
     assert update_readme.main(["--readme", str(copy), "--check"]) == 0
