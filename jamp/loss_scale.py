@@ -236,10 +236,13 @@ def _finite_flag(tree: Any, inv_scale: jax.Array, axis_names: tuple[str, ...]) -
 
     Checks ``max|x| * inv_scale`` per leaf instead of unscaling every element:
     float rounding is monotone, so ``round(max|x| * c) == max round(|x| * c)``
-    for ``c > 0``, and the max is inf iff some unscaled element is. A NaN
-    propagates through XLA's ``max`` (``jnp.max`` is NaN-propagating). A
-    ``max(abs(x))`` reduction fuses with its producer and vectorises on CPU,
-    unlike an element count, and the unscaled copy is never materialised.
+    for ``c > 0``, and the max is inf iff some unscaled element is. NaN is
+    mapped to +inf *before* the reduction: a max need not propagate NaN once it
+    crosses devices (XLA's sharded reduction of a ``jit``-ted global array drops
+    it on CPU, and a GPU all-reduce max is not bound to keep it), but every
+    max keeps an inf. So the flag is exact however each leaf is laid out. The
+    select fuses into the ``max(abs(x))`` reduction, which fuses with its
+    producer; the unscaled copy is never materialised.
     """
     flags = []
     for x in jax.tree_util.tree_leaves(tree):
@@ -247,19 +250,27 @@ def _finite_flag(tree: Any, inv_scale: jax.Array, axis_names: tuple[str, ...]) -
         if not jnp.issubdtype(dtype, jnp.inexact) or jnp.size(x) == 0:
             continue
         wide = jnp.promote_types(dtype, jnp.float32)
-        leaf_max = jnp.max(jnp.abs(x)).astype(wide)
+        magnitude = jnp.abs(x)
+        magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
+        leaf_max = jnp.max(magnitude).astype(wide)
         flags.append(jnp.isfinite(leaf_max * inv_scale.astype(wide)))
     finite = jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
     if axis_names:
-        finite = jax.lax.psum((~finite).astype(jnp.int32), axis_names) == 0
+        nonfinite = (~finite).astype(jnp.int32)
+        # shard_map refuses a psum over an axis the count does not vary over (gradients
+        # replicated over 'data', say): adding 0 * axis_index makes it vary over each.
+        for name in axis_names:
+            nonfinite = nonfinite + 0 * jax.lax.axis_index(name)
+        finite = jax.lax.psum(nonfinite, axis_names) == 0
     return finite
 
 
 def all_finite(tree: Any, axis_names: str | Sequence[str] = ()) -> jax.Array:
     """Whether every floating-point leaf of ``tree`` is finite (no inf, no NaN).
 
-    One fused ``max(|x|)`` reduction per leaf. Inside ``jax.shard_map`` the
-    local non-finite flag is ``jax.lax.psum``-med over ``axis_names`` so every
+    One fused ``max(|x|)`` reduction per leaf, with NaN counted as inf before
+    the reduction so that no NaN has to survive a cross-device max. Inside
+    ``jax.shard_map`` the local non-finite flag is ``jax.lax.psum``-med over ``axis_names`` so every
     shard gets the same answer; under plain ``jax.jit`` the reduction over a
     globally sharded array is already global. Integer leaves are ignored.
 
