@@ -1,8 +1,5 @@
 """Tests for jamp.loss_scale: scale rules, exact skips, composition, helpers, errors."""
 
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +21,6 @@ from jamp.loss_scale import (
     scale_loss,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 PARAMS = {"w": jnp.zeros((2,), jnp.float32)}
 
 
@@ -493,19 +489,6 @@ def test_orbax_checkpoint_mid_growth_interval(tmp_path):
     (p_end, s_end), scales_b = run((restored["params"], restored["opt_state"]), flags[5:])
     np.testing.assert_array_equal(np.concatenate([scales_a, scales_b]), scales_full)
     assert bits((p_end, s_end)) == bits((p_full, s_full))
-
-
-def test_benchmark_smoke(tmp_path):
-    out = tmp_path / "bench.md"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "loss_scale_overhead.py")]
-        + ["--steps", "3", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "ratio" in proc.stdout and "ratio" in out.read_text()
 
 
 def test_all_finite_helper():
