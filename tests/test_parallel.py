@@ -15,8 +15,9 @@ with the single-device run (mesh 1x1x1 on one of the 8 devices):
   gradient reduced in float32, a sum that overflows float16 on one device can fit
   in float16 per data shard (see the README, "Scaling out").
 
-An inf placed in the gradient of one model shard (tensor) or one stage (pipeline)
-makes every device skip the step and keep the same, backed-off loss scale.
+An inf, -inf or NaN placed in the gradient of one model shard (tensor), one stage
+(pipeline) or one model shard of one stage (3d) makes every device skip the step
+and keep the same, backed-off loss scale.
 
 Each step is compiled once per mesh and mode (module-scoped cache) with XLA's
 cheap backend options, identical for every mesh.
@@ -235,8 +236,11 @@ def _path_get(tree, path):
     return tree
 
 
-def _skip_with_inf_at(run: Run, index: tuple[int, ...], owner: dict[str, int]):
-    """Runs grads -> inf at ``index`` of the MLP kernel grad -> apply, on ``run``'s mesh."""
+def _skip_with_bad_value_at(run: Run, index: tuple[int, ...], owner: dict[str, int]):
+    """grads -> inf, -inf or NaN at ``index`` of the MLP kernel grad -> apply, on ``run``'s mesh.
+
+    The bad value is an argument of the compiled step (one compile per mesh).
+    """
     mesh = run.exp.mesh
     leaf_sharding = _path_get(run.shardings.params, MLP_KERNEL)
     shape = _path_get(run.initial.params, MLP_KERNEL).shape
@@ -252,11 +256,11 @@ def _skip_with_inf_at(run: Run, index: tuple[int, ...], owner: dict[str, int]):
 
     param_specs = jax.tree_util.tree_map(lambda s: s.spec, run.shardings.params)
 
-    def poisoned_step(state, batch, rng):
+    def poisoned_step(state, batch, rng, bad):
         grads, _ = parallel.step.grads(state, batch, rng, 0.0, param_specs)
         kernel = _path_get(grads, MLP_KERNEL)
         grads["encoder"]["layers"]["MlpBlock_0"]["Dense_0"]["kernel"] = kernel.at[index].set(
-            jnp.inf)
+            bad.astype(kernel.dtype))
         state = state.apply_gradients(grads=grads)
         return state, overflow_stats(state.opt_state).last_finite
 
@@ -264,11 +268,16 @@ def _skip_with_inf_at(run: Run, index: tuple[int, ...], owner: dict[str, int]):
     batch = run.batch(next(iter(data.train_loader("digits", image_size=8,
                                                   global_batch_size=BATCH, seed=1))))
     with run.context():
-        step = jax.jit(poisoned_step, in_shardings=(run.shardings, run.batch_sharding, None),
+        step = jax.jit(poisoned_step,
+                       in_shardings=(run.shardings, run.batch_sharding, None, None),
                        out_shardings=(run.shardings, None))
-        step = step.lower(state, batch, jax.random.key(0)).compile(FAST)
-        new, finite = step(state, batch, jax.random.key(0))
+        step = step.lower(state, batch, jax.random.key(0), jnp.float32(0)).compile(FAST)
+        for bad in (np.inf, -np.inf, np.nan):
+            new, finite = step(state, batch, jax.random.key(0), jnp.float32(bad))
+            _assert_every_device_skipped(state, new, finite)
 
+
+def _assert_every_device_skipped(state, new, finite):
     assert not bool(finite)
     assert int(overflow_stats(new.opt_state).steps_skipped) == 1
     # Every device skipped: each shard of every parameter and optimizer leaf is unchanged...
@@ -286,14 +295,19 @@ def _skip_with_inf_at(run: Run, index: tuple[int, ...], owner: dict[str, int]):
     assert len(scale.addressable_shards) == 8 and values == {2.0**8 / 2}
 
 
-def test_inf_in_one_model_shard_every_shard_skips(runs):
+def test_bad_value_in_one_model_shard_every_shard_skips(runs):
     # mlp unit 31 of layer 0 lives on model shard 1 (of 2), on every data shard.
-    _skip_with_inf_at(runs("fp16", "tensor"), (0, 3, 31), {"model": 1})
+    _skip_with_bad_value_at(runs("fp16", "tensor"), (0, 3, 31), {"model": 1})
 
 
-def test_inf_in_one_pipeline_stage_every_shard_skips(runs):
+def test_bad_value_in_one_pipeline_stage_every_shard_skips(runs):
     # layer 1 (of 2) lives on pipeline stage 1.
-    _skip_with_inf_at(runs("fp16", "pipeline"), (1, 3, 5), {"pipe": 1})
+    _skip_with_bad_value_at(runs("fp16", "pipeline"), (1, 3, 5), {"pipe": 1})
+
+
+def test_bad_value_in_one_3d_shard_every_shard_skips(runs):
+    # layer 1 lives on stage 1, mlp unit 20 (of 32) on model shard 1: 2 of the 8 devices.
+    _skip_with_bad_value_at(runs("fp16", "3d"), (1, 3, 20), {"pipe": 1, "model": 1})
 
 
 def test_tensor_parallel_shards_params_optimizer_state_and_master_copy():
