@@ -13,6 +13,7 @@ Example:
 from jamp.flax import PolicyModule, apply_policy, policy_scope, to_mixed_precision
 from jamp.loss_scale import (
     DynamicLossScale,
+    LossScaleConfig,
     LossScaleDivergedError,
     LossScaleState,
     NoOpLossScale,
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "LossScaleConfig",
     "LossScaleDivergedError",
     "LossScaleState",
     "NoOpLossScale",

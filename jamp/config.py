@@ -98,8 +98,11 @@ def vit_config(mode: str, arg: str | None = None) -> ml_collections.ConfigDict:
     c.label_smoothing = 0.0
 
     # Loss scaling: the Colossal-AI fp16=dict(...) fields, readable names. None keeps
-    # the mode's default (e.g. fp16: init 2**16, growth 2, backoff 0.5, 2000 steps).
+    # the mode's default (e.g. fp16: init 2**16, growth 2, backoff 0.5, 2000 steps,
+    # divergence after 50 overflows in a row at min_scale); a field the mode's kind of
+    # scaling does not read is an error. kind: 'none', 'static' or 'dynamic'.
     c.loss_scale = ml_collections.ConfigDict()
+    c.loss_scale.kind = config_dict.placeholder(str)
     c.loss_scale.init_scale = config_dict.placeholder(float)
     c.loss_scale.growth_factor = config_dict.placeholder(float)
     c.loss_scale.backoff_factor = config_dict.placeholder(float)
@@ -107,7 +110,7 @@ def vit_config(mode: str, arg: str | None = None) -> ml_collections.ConfigDict:
     c.loss_scale.hysteresis = config_dict.placeholder(int)
     c.loss_scale.min_scale = config_dict.placeholder(float)
     c.loss_scale.max_scale = config_dict.placeholder(float)
-    c.loss_scale.divergence_steps = 50
+    c.loss_scale.divergence_steps = config_dict.placeholder(int)
 
     # Parallelism: a mesh over all devices; -1 takes the rest.
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1))

@@ -98,9 +98,10 @@ Checkpointing
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,7 @@ import optax
 
 __all__ = [
     "DynamicLossScale",
+    "LossScaleConfig",
     "LossScaleDivergedError",
     "LossScaleState",
     "NoOpLossScale",
@@ -615,6 +617,84 @@ def NoOpLossScale(  # noqa: N802
       1.0
     """
     return _build(inner, init_scale=1.0, check=False, dynamic=False)
+
+
+LossScaleKind = Literal["none", "static", "dynamic"]
+
+_FIELDS_BY_KIND: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "static": ("init_scale", "divergence_steps"),
+    "dynamic": ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                "hysteresis", "min_scale", "max_scale", "divergence_steps"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+    """How a precision mode scales the loss: the kind and every setting, in one place.
+
+    ``kind`` picks the transformation (``"dynamic"``: :func:`DynamicLossScale`,
+    ``"static"``: :func:`StaticLossScale` with ``init_scale`` as the fixed scale,
+    ``"none"``: :func:`NoOpLossScale`); the other fields are its arguments. The
+    values are checked when the config is made, with the transformations' own
+    messages. :meth:`wrap` builds the transformation around an optimizer.
+
+    Example:
+      >>> import optax
+      >>> config = LossScaleConfig("dynamic", init_scale=2.**10, hysteresis=2)
+      >>> config.uses("hysteresis"), LossScaleConfig("static").uses("hysteresis")
+      (True, False)
+      >>> state = config.wrap(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+      >>> float(loss_scale(state))
+      1024.0
+    """
+
+    kind: LossScaleKind = "none"
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    divergence_steps: int = 50
+
+    def __post_init__(self):
+        if self.kind not in _FIELDS_BY_KIND:
+            raise ValueError(
+                f"loss scale kind {self.kind!r} is not valid: use 'none', 'static' or 'dynamic'.")
+        self.wrap(None)  # checks every field the kind uses
+
+    def uses(self, field: str) -> bool:
+        """Whether the transformation of this kind reads ``field``.
+
+        Example:
+          >>> LossScaleConfig("none").uses("divergence_steps")
+          False
+        """
+        return field in _FIELDS_BY_KIND[self.kind]
+
+    def wrap(self, inner: optax.GradientTransformation | optax.MultiSteps | None,
+             axis_names: str | Sequence[str] = ()) -> optax.GradientTransformationExtraArgs:
+        """The loss-scale transformation of this config around ``inner``.
+
+        Args:
+          inner: the optimizer to wrap, or ``None`` for a bare chain link.
+          axis_names: mesh axes to ``psum`` the overflow check over (inside ``shard_map``).
+
+        Example:
+          >>> import optax
+          >>> tx = LossScaleConfig("static", init_scale=8.0).wrap(optax.sgd(0.1))
+          >>> float(loss_scale(tx.init({"w": jnp.ones(2)})))
+          8.0
+        """
+        if self.kind == "dynamic":
+            fields = {f: getattr(self, f) for f in _FIELDS_BY_KIND["dynamic"]}
+            return DynamicLossScale(inner, axis_names=axis_names, **fields)
+        if self.kind == "static":
+            return StaticLossScale(self.init_scale, inner, axis_names=axis_names,
+                                   divergence_steps=self.divergence_steps)
+        return NoOpLossScale(inner)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -14,7 +14,7 @@ Example:
   >>> mp = jamp.mixed_precision("fp16")
   >>> str(mp.policy)
   'p=full,c=f16,o=full'
-  >>> mp.loss_scale, mp.init_scale
+  >>> mp.loss_scale.kind, mp.loss_scale.init_scale
   ('dynamic', 65536.0)
 """
 
@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 import jmp
 from jmp._src import policy as _jmp_policy
 
+from jamp.loss_scale import LossScaleConfig
+
 Policy = jmp.Policy
 """``jmp.Policy``: a frozen dataclass ``(param_dtype, compute_dtype, output_dtype)``."""
 
-LossScaleKind = Literal["none", "static", "dynamic"]
 Overrides = tuple[tuple[type, Policy], ...]
 
 _KEYS = ("params", "compute", "output")
@@ -135,17 +136,16 @@ class MixedPrecision:
       overrides: ``(module class, Policy)`` pairs; a module uses the policy of the
         first class in its MRO that has one (so subclasses follow their parent).
       softmax_fp32: compute attention softmax in float32.
-      loss_scale: "none", "static" or "dynamic".
-      init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-      min_scale, max_scale: loss-scaling parameters (dynamic; ``init_scale`` is
-        the fixed scale for "static").
+      loss_scale: a :class:`~jamp.loss_scale.LossScaleConfig`: the kind ("none",
+        "static" or "dynamic") and every scaling setting, ``divergence_steps``
+        included.
       master_weights: keep fp32 master copies of half-precision params in the
         optimizer state (apex O2 / Colossal-AI naive AMP).
 
     Example:
       >>> import jamp
       >>> mp = jamp.mixed_precision("O2", hysteresis=1)
-      >>> mp.name, mp.master_weights, mp.hysteresis
+      >>> mp.name, mp.master_weights, mp.loss_scale.hysteresis
       ('fp16_naive', True, 1)
     """
 
@@ -153,21 +153,16 @@ class MixedPrecision:
     policy: Policy
     overrides: Overrides = ()
     softmax_fp32: bool = False
-    loss_scale: LossScaleKind = "none"
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    min_scale: float = 1.0
-    max_scale: float = 2.0**24
+    loss_scale: LossScaleConfig = LossScaleConfig()
     master_weights: bool = False
 
     def __post_init__(self):
-        if self.loss_scale not in ("none", "static", "dynamic"):
+        if isinstance(self.loss_scale, str):  # a kind with its default settings
+            object.__setattr__(self, "loss_scale", LossScaleConfig(self.loss_scale))
+        if not isinstance(self.loss_scale, LossScaleConfig):
             raise ValueError(
-                f"loss_scale={self.loss_scale!r} is not valid: use 'none', 'static' or 'dynamic'."
-            )
+                f"loss_scale must be a jamp.LossScaleConfig or one of 'none', 'static', "
+                f"'dynamic', got {self.loss_scale!r}.")
         object.__setattr__(self, "policy", get_policy(self.policy))
         if isinstance(self.overrides, Mapping):
             object.__setattr__(self, "overrides", tuple(self.overrides.items()))
@@ -194,12 +189,6 @@ class MixedPrecision:
         return self.policy
 
 
-_FP16_SCALING: dict[str, Any] = dict(
-    loss_scale="dynamic", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-    growth_interval=2000, hysteresis=1, min_scale=1.0, max_scale=2.0**24,
-)
-
-
 def _mode_table() -> dict[str, dict[str, Any]]:
     f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
     mixed16 = Policy(f32, f16, f32)
@@ -208,11 +197,13 @@ def _mode_table() -> dict[str, dict[str, Any]]:
     return {
         "fp32": dict(policy=Policy(f32, f32, f32)),
         "fp16": dict(policy=mixed16, overrides=float32_overrides(mixed16), softmax_fp32=True,
-                     **_FP16_SCALING),
+                     loss_scale=LossScaleConfig("dynamic")),
         "bf16": dict(policy=mixedbf, overrides=float32_overrides(mixedbf), softmax_fp32=True),
         "fp16_naive": dict(policy=naive, overrides=float32_overrides(naive), softmax_fp32=True,
-                           master_weights=True, **{**_FP16_SCALING, "hysteresis": 2}),
-        "fp16_pure": dict(policy=Policy(f16, f16, f16), loss_scale="static", init_scale=1.0),
+                           master_weights=True,
+                           loss_scale=LossScaleConfig("dynamic", hysteresis=2)),
+        "fp16_pure": dict(policy=Policy(f16, f16, f16),
+                          loss_scale=LossScaleConfig("static", init_scale=1.0)),
         "bf16_pure": dict(policy=Policy(bf16, bf16, bf16)),
     }
 
@@ -252,18 +243,22 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
 
     Args:
       name: a mode name or alias, or an existing ``MixedPrecision``.
-      **overrides: replace individual fields, e.g. ``init_scale=2**15``,
-        ``hysteresis=1``, ``policy="p=f32,c=bf16,o=f32"``.
+      **overrides: replace individual fields, e.g. ``policy="p=f32,c=bf16,o=f32"``,
+        ``master_weights=True``; and the loss-scale settings by name
+        (``init_scale=2**15``, ``hysteresis=1``, ``divergence_steps=20``, ...), or
+        ``loss_scale="dynamic"`` / a whole ``LossScaleConfig``.
 
     Returns:
       A frozen ``MixedPrecision``.
 
     Raises:
-      ValueError: for an unknown mode name or an unknown field.
+      ValueError: for an unknown mode name or field, or a loss-scale setting the
+        mode's kind of scaling does not use (``hysteresis`` for ``bf16``), naming
+        the mode.
 
     Example:
       >>> import jamp
-      >>> jamp.mixed_precision("16-mixed", init_scale=2**15).init_scale
+      >>> jamp.mixed_precision("16-mixed", init_scale=2**15).loss_scale.init_scale
       32768
     """
     if isinstance(name, MixedPrecision):
@@ -277,13 +272,32 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
             )
         base = MixedPrecision(name=canonical, **_mode_table()[canonical])
     fields = {f.name for f in dataclasses.fields(MixedPrecision)} - {"name"}
-    unknown = sorted(set(overrides) - fields)
+    scaling = {f.name for f in dataclasses.fields(LossScaleConfig)} - {"kind"}
+    unknown = sorted(set(overrides) - fields - scaling)
     if unknown:
         raise ValueError(
             f"Unknown field(s) {', '.join(unknown)} for mixed_precision({base.name!r}). "
-            f"Valid fields: {', '.join(sorted(fields))}."
+            f"Valid fields: {', '.join(sorted(fields | scaling))}."
         )
     if "policy" in overrides and "overrides" not in overrides and base.overrides:
         # Norms return the compute dtype: follow a replaced policy.
         overrides["overrides"] = float32_overrides(get_policy(overrides["policy"]))
-    return dataclasses.replace(base, **overrides) if overrides else base
+    settings = {k: overrides.pop(k) for k in sorted(scaling & set(overrides))}
+    config = overrides.pop("loss_scale", base.loss_scale)
+    if isinstance(config, str):
+        config = dataclasses.replace(base.loss_scale, kind=config)
+    unused = [k for k in settings if not config.uses(k)]
+    if unused:
+        raise ValueError(
+            f"mixed_precision({base.name!r}): {', '.join(unused)} does not apply, because mode "
+            f"{base.name!r} uses loss scaling of kind {config.kind!r}, which reads "
+            f"{', '.join(f for f in _scaling_fields() if config.uses(f)) or 'no setting'}. "
+            "Drop the setting, use a mode with dynamic scaling ('fp16', 'fp16_naive'), or "
+            "choose the kind: loss_scale='dynamic' (jamp.train: --config.loss_scale.kind)."
+        )
+    overrides["loss_scale"] = dataclasses.replace(config, **settings)
+    return dataclasses.replace(base, **overrides)
+
+
+def _scaling_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(LossScaleConfig) if f.name != "kind"]

@@ -31,19 +31,9 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from jamp.loss_scale import (
-    DynamicLossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    loss_scale,
-    overflow_stats,
-    scale_loss,
-)
+from jamp.loss_scale import loss_scale, overflow_stats, scale_loss
 from jamp.master import master_weights
 from jamp.policy import MixedPrecision
-
-_SCALE_FIELDS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
-                 "hysteresis", "min_scale", "max_scale")
 
 
 def make_optimizer(
@@ -51,11 +41,11 @@ def make_optimizer(
     tx: optax.GradientTransformation,
     *,
     axis_names: tuple[str, ...] = (),
-    divergence_steps: int = 50,
 ) -> optax.GradientTransformation:
     """Wraps ``tx`` as the mode requires: master weights, then the loss scale.
 
-    ``"dynamic"`` modes give ``DynamicLossScale(tx)``, ``"static"`` gives
+    The mode's :class:`~jamp.loss_scale.LossScaleConfig` builds the scale:
+    ``"dynamic"`` gives ``DynamicLossScale(tx)``, ``"static"`` gives
     ``StaticLossScale(tx)``, ``"none"`` gives ``NoOpLossScale(tx)`` (so
     ``jamp.loss_scale``/``jamp.overflow_stats`` work in every mode). With
     ``master_weights`` the optimizer runs on fp32 copies inside the loss scale,
@@ -65,7 +55,6 @@ def make_optimizer(
       mp: the recipe (``jamp.mixed_precision(...)``).
       tx: any optax optimizer (clipping inside it sees unscaled gradients).
       axis_names: mesh axes to reduce the overflow check over inside ``shard_map``.
-      divergence_steps: overflows in a row at ``min_scale`` before the stats say diverged.
 
     Example:
       >>> import optax, jamp
@@ -75,13 +64,7 @@ def make_optimizer(
     """
     if mp.master_weights:
         tx = master_weights(tx)
-    if mp.loss_scale == "dynamic":
-        return DynamicLossScale(
-            tx, **{f: getattr(mp, f) for f in _SCALE_FIELDS},
-            axis_names=axis_names, divergence_steps=divergence_steps)
-    if mp.loss_scale == "static":
-        return StaticLossScale(mp.init_scale, tx)
-    return NoOpLossScale(tx)
+    return mp.loss_scale.wrap(tx, axis_names)
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0,

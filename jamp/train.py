@@ -85,11 +85,12 @@ def precision_from_config(config: ml_collections.ConfigDict) -> MixedPrecision:
     Example:
       >>> from jamp.config import vit_config
       >>> c = vit_config("fp16"); c.loss_scale.hysteresis = 2
-      >>> precision_from_config(c).hysteresis
+      >>> precision_from_config(c).loss_scale.hysteresis
       2
     """
-    fields = {k: v for k, v in config.loss_scale.items()
-              if k != "divergence_steps" and v is not None}
+    fields = {k: v for k, v in config.loss_scale.items() if v is not None}
+    if "kind" in fields:
+        fields["loss_scale"] = fields.pop("kind")
     try:
         return mixed_precision(config.mode, **fields)
     except ValueError as e:
@@ -117,7 +118,7 @@ def build_optimizer(config: ml_collections.ConfigDict, total_steps: int,
         raise ConfigError(f"--config.optimizer={config.optimizer!r}: use 'adamw' or 'sgd'.")
     if config.grad_clip_norm:
         opt = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), opt)
-    return make_optimizer(mp, opt, divergence_steps=config.loss_scale.divergence_steps)
+    return make_optimizer(mp, opt)
 
 
 def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
@@ -443,7 +444,7 @@ def _loop(exp, state, iterator: Iterator, p_train, p_eval, ckpt: Checkpointer,
                 raise LossScaleDivergedError(
                     f"Training stopped at step {done}: the loss scale sits at its minimum "
                     f"({record['train/loss_scale']:g}) and the gradients have overflowed for "
-                    f"{config.loss_scale.divergence_steps} steps in a row, so every step is "
+                    f"{exp.precision.loss_scale.divergence_steps} steps in a row, so every step is "
                     "being skipped. The model has diverged (or the data holds NaN/inf). Lower "
                     "--config.learning_rate, use --config.mode=bf16, or check the input data; "
                     f"the last good checkpoint is in {ckpt.directory}.")

@@ -127,8 +127,9 @@ class MLP(nn.Module):
 
 # %%
 mp = jamp.mixed_precision("fp16")
-print("fp16 recipe:    policy", mp.policy, "| loss scale", mp.loss_scale,
-      f"init 2**{int(np.log2(mp.init_scale))}, growth every {mp.growth_interval} steps")
+print("fp16 recipe:    policy", mp.policy, "| loss scale", mp.loss_scale.kind,
+      f"init 2**{int(np.log2(mp.loss_scale.init_scale))}, "
+      f"growth every {mp.loss_scale.growth_interval} steps")
 print("  LayerNorm runs in", mp.policy_for(nn.LayerNorm))
 
 bf16_policy = jamp.get_policy("p=f32,c=bf16,o=f32")

@@ -67,7 +67,7 @@ def test_named_modes(name, dtypes, scaling, master):
     mp = jamp.mixed_precision(name)
     p = mp.policy
     assert (p.param_dtype, p.compute_dtype, p.output_dtype) == dtypes
-    assert mp.loss_scale == scaling
+    assert mp.loss_scale.kind == scaling
     assert mp.master_weights is master
     assert mp.name == name
 
@@ -76,8 +76,9 @@ def test_fp16_mode_scaling_recipe_and_fp32_norms():
     import flax.linen as nn
 
     mp = jamp.mixed_precision("fp16")
-    assert (mp.init_scale, mp.growth_factor, mp.backoff_factor, mp.growth_interval,
-            mp.hysteresis) == (2.0**16, 2.0, 0.5, 2000, 1)
+    ls = mp.loss_scale
+    assert (ls.init_scale, ls.growth_factor, ls.backoff_factor, ls.growth_interval,
+            ls.hysteresis, ls.divergence_steps) == (2.0**16, 2.0, 0.5, 2000, 1, 50)
     assert mp.softmax_fp32
     for cls in (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm):
         policy = mp.policy_for(cls)
@@ -86,8 +87,8 @@ def test_fp16_mode_scaling_recipe_and_fp32_norms():
 
 
 def test_naive_mode_has_hysteresis_two_and_pure_modes_no_overrides():
-    assert jamp.mixed_precision("fp16_naive").hysteresis == 2
-    assert jamp.mixed_precision("fp16_pure").init_scale == 1.0
+    assert jamp.mixed_precision("fp16_naive").loss_scale.hysteresis == 2
+    assert jamp.mixed_precision("fp16_pure").loss_scale.init_scale == 1.0
     assert jamp.mixed_precision("fp16_pure").overrides == ()
     assert jamp.mixed_precision("bf16_pure").overrides == ()
 
@@ -104,8 +105,9 @@ def test_aliases(alias, canonical):
 
 def test_keyword_overrides_replace_fields():
     mp = jamp.mixed_precision("fp16", init_scale=2**15, hysteresis=1, growth_interval=7)
-    assert (mp.init_scale, mp.hysteresis, mp.growth_interval) == (2**15, 1, 7)
-    assert jamp.mixed_precision("fp16").init_scale == 2**16  # the base is not mutated
+    ls = mp.loss_scale
+    assert (ls.init_scale, ls.hysteresis, ls.growth_interval) == (2**15, 1, 7)
+    assert jamp.mixed_precision("fp16").loss_scale.init_scale == 2**16  # base not mutated
 
 
 def test_replacing_the_policy_keeps_norms_returning_compute_dtype():
@@ -120,5 +122,34 @@ def test_unknown_mode_and_field_are_rejected():
         jamp.mixed_precision("fp8")
     with pytest.raises(ValueError, match="Unknown field.*init_scael.*Valid fields:.*init_scale"):
         jamp.mixed_precision("fp16", init_scael=3)
-    with pytest.raises(ValueError, match="loss_scale='sometimes'"):
+    with pytest.raises(ValueError, match="kind 'sometimes' is not valid"):
         jamp.mixed_precision("fp16", loss_scale="sometimes")
+
+
+@pytest.mark.parametrize("mode, field, value", [
+    ("bf16", "divergence_steps", 5), ("fp32", "init_scale", 8.0), ("bf16_pure", "hysteresis", 2),
+    ("fp16_pure", "hysteresis", 2), ("fp16_pure", "min_scale", 0.5),
+    ("fp16_pure", "growth_interval", 10)])
+def test_a_loss_scale_setting_the_mode_cannot_use_is_an_error_naming_the_mode(mode, field,
+                                                                               value):
+    with pytest.raises(ValueError, match=rf"{field} does not apply.*mode '{mode}'"):
+        jamp.mixed_precision(mode, **{field: value})
+
+
+@pytest.mark.parametrize("mode, fields", [
+    ("fp16", dict(divergence_steps=7, hysteresis=3, min_scale=2.0)),
+    ("fp16_naive", dict(divergence_steps=7, max_scale=2.0**20)),
+    ("fp16_pure", dict(divergence_steps=7, init_scale=4.0)),
+    ("bf16", dict(loss_scale="dynamic", divergence_steps=7, init_scale=2.0**8))])
+def test_every_setting_a_mode_uses_reaches_its_config(mode, fields):
+    mp = jamp.mixed_precision(mode, **fields)
+    for key, value in fields.items():
+        got = mp.loss_scale.kind if key == "loss_scale" else getattr(mp.loss_scale, key)
+        assert got == value
+
+
+def test_loss_scale_config_values_are_checked_when_made():
+    with pytest.raises(ValueError, match="growth_interval must be >= 1"):
+        jamp.mixed_precision("fp16", growth_interval=0)
+    with pytest.raises(ValueError, match="divergence_steps must be >= 1"):
+        jamp.mixed_precision("fp16_pure", divergence_steps=0)

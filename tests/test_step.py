@@ -209,6 +209,29 @@ def test_loss_scale_fields_reach_the_optimizer():
     assert diverged == [False] * 8 + [True]
 
 
+def test_fp16_pure_honours_divergence_steps_from_the_config():
+    # The static scale of fp16_pure was once built without divergence_steps (issue 10).
+    config = _config("fp16_pure")
+    config.loss_scale.divergence_steps = 3
+    tx = train.build_optimizer(config, 100, train.precision_from_config(config))
+    state = tx.init(PARAMS)
+    overflow = {"w": jnp.full((2, 2), jnp.nan), "b": jnp.ones(3)}
+    diverged = []
+    for _ in range(3):
+        _, state = tx.update(overflow, state, PARAMS)
+        diverged.append(bool(overflow_stats(state).diverged))
+    assert diverged == [False, False, True]
+
+
+@pytest.mark.parametrize("mode, field", [("bf16", "divergence_steps"), ("fp32", "init_scale"),
+                                         ("fp16_pure", "hysteresis")])
+def test_a_loss_scale_field_the_mode_cannot_use_is_a_config_error(mode, field):
+    config = _config(mode)
+    config.loss_scale[field] = 2
+    with pytest.raises(train.ConfigError, match=rf"{field} does not apply.*mode '{mode}'"):
+        train.precision_from_config(config)
+
+
 def test_label_smoothing_reaches_the_train_step(monkeypatch, digits_dir):
     exp = train.build_experiment(_config(label_smoothing=0.2, data_dir=digits_dir))
     seen = []
