@@ -84,6 +84,22 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float =
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)
 
 
+def correct_predictions(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """1.0 where the arg-max class is the label and every logit of the row is finite.
+
+    ``argmax`` of a row of NaNs is class 0: without the finiteness test a model
+    that outputs NaN would score the share of class 0 in the data.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> logits = jnp.array([[0.1, 2.0], [jnp.nan, jnp.nan]])
+      >>> correct_predictions(logits, jnp.array([1, 0])).tolist()
+      [1.0, 0.0]
+    """
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    return ((jnp.argmax(logits, -1) == labels) & finite).astype(jnp.float32)
+
+
 def train_step(
     state: train_state.TrainState,
     batch: dict[str, jax.Array],
@@ -120,7 +136,7 @@ def train_step(
     grads, (loss, logits) = jax.grad(loss_fn, has_aux=True)(state.params)
     state = state.apply_gradients(grads=grads)
     stats = overflow_stats(state.opt_state)
-    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+    accuracy = jnp.mean(correct_predictions(logits, batch["label"]))
     return state, dict(loss=loss, accuracy=accuracy, loss_scale=scale,
                        grad_finite=stats.last_finite, steps_skipped=stats.steps_skipped,
                        diverged=stats.diverged)
@@ -136,6 +152,6 @@ def eval_step(state: train_state.TrainState, batch: dict[str, jax.Array]) -> dic
     mask = batch.get("mask", jnp.ones(batch["label"].shape, bool)).astype(jnp.float32)
     logits = logits.astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-    correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+    correct = correct_predictions(logits, batch["label"])
     return dict(loss_sum=jnp.sum(losses * mask), correct=jnp.sum(correct * mask),
                 count=jnp.sum(mask))

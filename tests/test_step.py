@@ -78,6 +78,17 @@ def test_eval_step_without_mask_counts_every_row():
     np.testing.assert_allclose(float(metrics["loss_sum"]), loss_sum, rtol=1e-6)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_logits_never_count_as_correct(bad):
+    # argmax of a row of NaNs is class 0: a NaN model must not score the share of class 0.
+    logits = np.zeros((4, NUM_CLASSES), np.float32)
+    logits[:, 0] = 1.0
+    logits[1:, :] = bad  # rows 1-3 non-finite; all labels are class 0
+    batch = {"image": jnp.asarray(logits), "label": jnp.zeros(4, jnp.int32)}
+    metrics = eval_step(_state(_logits_are_the_images), batch)
+    assert float(metrics["correct"]) == 1.0
+
+
 # --- the trainer's config -----------------------------------------------------------
 
 

@@ -46,7 +46,7 @@ from flax.training import train_state
 
 from jamp.loss_scale import loss_scale, overflow_stats, scale_loss
 from jamp.parallel import data_parallel, pipeline
-from jamp.step import cross_entropy
+from jamp.step import correct_predictions, cross_entropy
 
 
 def grads(state: train_state.TrainState, batch: dict[str, jax.Array], rng: jax.Array,
@@ -67,7 +67,7 @@ def grads(state: train_state.TrainState, batch: dict[str, jax.Array], rng: jax.A
         logits = state.apply_fn({"params": params}, batch["image"], train=True,
                                 rngs={"dropout": rng})
         loss = cross_entropy(logits, batch["label"], label_smoothing)
-        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+        accuracy = jnp.mean(correct_predictions(logits, batch["label"]))
         return scale_loss(loss, state.opt_state), {"loss": loss, "accuracy": accuracy}
 
     # With a pipeline, 'pipe' is manual too: the model runs the schedule in place on
