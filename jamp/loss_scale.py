@@ -1,104 +1,40 @@
 """Loss scaling as optax gradient transformations.
 
-Half-precision (float16) gradients underflow: small values flush to zero. Loss
-scaling multiplies the loss by a large factor ``S`` before differentiation, so
-the gradients are ``S`` times larger and stay representable, then divides them
-by ``S`` again before the optimizer sees them. If ``S`` is too large the
-gradients overflow to inf/NaN; the step must then be skipped and ``S`` lowered.
+float16 gradients underflow: small values flush to zero. Loss scaling multiplies
+the loss by a factor ``S`` before differentiation and divides the gradients by
+``S`` before the optimizer sees them; when ``S`` is too large they overflow to
+inf/NaN, and the step must be skipped and ``S`` lowered. Three transformations
+share one state type, so every precision mode maps to exactly one of them:
 
-This module provides three transformations that share one state type and one
-set of helpers, so every precision mode maps to exactly one transformation:
+* :func:`DynamicLossScale`: backs off on overflow, grows after
+  ``growth_interval`` finite steps (``torch.amp.GradScaler`` with
+  ``hysteresis=1``, Megatron-LM's scaler with ``hysteresis > 1``).
+* :func:`StaticLossScale`: a fixed scale; still unscales, checks and skips.
+* :func:`NoOpLossScale`: scale 1, no check, a pass-through (bf16, fp32).
 
-* :func:`DynamicLossScale` -- the scale adapts: it backs off on overflow and
-  grows after ``growth_interval`` finite steps. With ``hysteresis=1`` the rule
-  is identical to ``torch.amp.GradScaler``; with ``hysteresis > 1`` it is
-  Megatron-LM's ``DynamicGradScaler``.
-* :func:`StaticLossScale` -- a fixed scale; still unscales, checks and skips.
-* :func:`NoOpLossScale` -- scale 1, no check, a pure pass-through (bfloat16 and
-  float32 training), so the same training step works for every mode.
+:class:`LossScaleConfig` holds a mode's choice of the three and its settings.
 
-Typical use wraps the whole optimizer, like ``optax.MultiSteps`` or
-``optax.apply_if_finite`` do::
+Wrap the whole optimizer, as ``optax.MultiSteps`` does::
 
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
-  tx = DynamicLossScale(tx, init_scale=2.**16, growth_interval=2000)
-  opt_state = tx.init(params)
+  tx = DynamicLossScale(optax.adamw(3e-4))
+  grads = jax.grad(lambda p: scale_loss(loss_fn(p, batch), opt_state))(params)
+  updates, opt_state = tx.update(grads, opt_state, params)  # unscale, check, skip
 
-  def step(params, opt_state, batch):
-    grads = jax.grad(lambda p: scale_loss(loss_fn(p, batch), opt_state))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)  # unscale, check, skip
-    return optax.apply_updates(params, updates), opt_state
-
-Wrapped form (``inner`` given, recommended)
-  ``update`` receives the gradients of the *scaled* loss (float16, bfloat16 or
-  float32), casts them to float32, multiplies by ``1/scale``, checks that all
-  are finite and then either calls ``inner.update`` with the unscaled
-  gradients (so clipping inside ``inner`` sees true gradient norms), or, on
-  overflow, returns zero updates and leaves ``inner``'s state bit-identical:
-  Adam's moments and step count do not move.
-
-Bare form (``inner=None``, a link at the head of a chain)
-  ``update`` returns the unscaled float32 gradients, or zeros on overflow. The
-  links after it are *not* skipped: they receive zero gradients and update
-  their state as for any other step. ``optax.adam`` after it counts the step,
-  decays both moments by ``b1``/``b2`` and, through its first moment, still
-  emits a non-zero update, so the parameters move on an overflow step;
-  schedules advance. Use the wrapped form unless the links after this one are
-  stateless (e.g. ``optax.sgd`` without momentum).
-
-How the skip is implemented
-  The all-finite flag is computed first (one fused ``max|g|`` reduction per
-  leaf), then ``jax.lax.cond`` either runs ``inner.update`` on the unscaled
-  gradients (the unscale is fused into the optimizer's kernels) or returns
-  zeros and the *same* inner state, so a skipped step is exact by construction
-  and does no optimizer arithmetic. The alternative, running ``inner.update``
-  unconditionally and choosing with ``jnp.where`` over the updates and state
-  trees, is exact too but must keep the old optimizer state alive next to the
-  new one: XLA then copies the donated moments, and it measured slower on CPU
-  (about +16% vs +11% step time for a 0.66M-parameter MLP at batch 128). What
-  any exact skip costs: one extra read of the gradients for the check, and the
-  optimizer cannot start before the *last* gradient is known (so it no longer
-  overlaps the backward pass); ``cond`` also materialises the updates instead
-  of fusing them into ``optax.apply_updates``. This is per parameter, so the
-  relative cost falls as the work per step grows; see
-  ``benchmarks/loss_scale_overhead.py`` and ``benchmarks/results/``.
-
-Gradient accumulation
-  Put the loss scale *outside* ``optax.MultiSteps``::
-
-    tx = DynamicLossScale(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=4))
-
-  Each micro-step's gradients are then unscaled and checked before they enter
-  the accumulator; a non-finite micro-batch is dropped (``MultiSteps``' state,
-  including its micro-step counter and accumulator, is left untouched) and the
-  scale backs off before the next micro-batch. The accumulated update is the
-  mean of unscaled gradients. The inside placement,
-  ``MultiSteps(DynamicLossScale(adamw), k)``, is wrong: ``MultiSteps`` would
-  average the *scaled* gradients of micro-batches whose scale may have changed
-  in between (the scale changes mid-accumulation, mixing gradients scaled by
-  different factors), a single inf micro-batch poisons the whole accumulated
-  gradient, and the scale only adapts once every ``k`` micro-steps.
-
-Sharding
-  Under plain ``jax.jit`` with globally sharded arrays the all-finite check is a
-  global reduction already (XLA inserts the cross-device collectives), so every
-  device takes the same decision; leave ``axis_names`` empty. Inside
-  ``jax.shard_map`` each shard only sees its local block: pass the mesh axes
-  the gradients are split over as ``axis_names`` and the local non-finite count
-  is ``jax.lax.psum``-med over them, so every shard skips together and holds
-  the same scale.
-
-Checkpointing
-  Everything that changes (scale, trackers, counters) is in the
-  :class:`LossScaleState` NamedTuple, so it jits, checkpoints and restores
-  exactly, including mid growth interval. The hyper-parameters (factors,
-  interval, bounds) are closed over by the transformation and never stored in
-  the state, so a pytree round trip cannot lose them.
+A skipped step is exact: zero updates and the inner state bit-identical (Adam's
+moments and count do not move). Put the scale *outside* ``optax.MultiSteps`` for
+gradient accumulation, so each micro-batch is checked before it is accumulated.
+The overflow check is exact on any mesh: under ``jax.jit`` over global arrays
+it is one global reduction; inside ``jax.shard_map`` pass the mesh axes as
+``axis_names`` and the per-shard flag is ``psum``-med. Everything that changes
+lives in :class:`LossScaleState`, so it jits, checkpoints and resumes exactly.
+Its cost is measured by ``python -m benchmarks.loss_scale_overhead``
+(``benchmarks/results/loss_scale_*``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
@@ -303,15 +239,7 @@ def _unscale(tree: Any, inv_scale: jax.Array) -> Any:
     return jax.tree_util.tree_map(one, tree)
 
 
-def _zero_on_overflow(finite: jax.Array, tree: Any) -> Any:
-    def one(x):
-        x = jnp.asarray(x)
-        return jax.lax.select(finite, x, jnp.zeros_like(x))
-
-    return jax.tree_util.tree_map(one, tree)
-
-
-# --------------------------------------------------------------------------- core
+# --------------------------------------------------------------------------- state
 
 
 def _init_state(init_scale: float, hysteresis: int, inner_state: Any) -> LossScaleState:
@@ -328,22 +256,79 @@ def _init_state(init_scale: float, hysteresis: int, inner_state: Any) -> LossSca
     )
 
 
-def _build(
-    inner: Any,
-    *,
-    init_scale: float,
-    check: bool,
-    dynamic: bool,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 1,
-    hysteresis: int = 1,
-    min_scale: float = 1.0,
-    max_scale: float = _SCALE_HI,
-    axis_names: tuple[str, ...] = (),
-    divergence_steps: int = 50,
-) -> optax.GradientTransformationExtraArgs:
-    """Shared implementation of the three loss-scale transformations."""
+def _adjust_scale(state: LossScaleState, finite: jax.Array, *, growth_factor: float,
+                  backoff_factor: float, growth_interval: int, hysteresis: int,
+                  min_scale: float, max_scale: float) -> LossScaleState:
+    """The dynamic scale rule, a pure function of the state and the finite flag.
+
+    Finite: count the step; grow on the ``growth_interval``-th in a row. Overflow:
+    reset the count, spend one hysteresis; back off when none is left (torch's
+    rule for ``hysteresis=1``, Megatron's otherwise). Clamped to the bounds.
+    """
+    scale, overflow = state.scale, ~finite
+    counted = optax.safe_increment(state.growth_tracker)
+    grow = finite & (counted >= growth_interval)
+    # Floored at 0 so that the int32 tracker cannot wrap; "<= 0" is unchanged by the floor.
+    hysteresis_left = jnp.maximum(state.hysteresis_tracker - 1, 0)
+    backoff = overflow & (hysteresis_left <= 0)
+    grown = jnp.minimum(scale * jnp.float32(growth_factor), jnp.float32(max_scale))
+    shrunk = jnp.maximum(scale * jnp.float32(backoff_factor), jnp.float32(min_scale))
+    return state._replace(
+        scale=jnp.where(grow, grown, jnp.where(backoff, shrunk, scale)),
+        growth_tracker=jnp.where(finite & ~grow, counted, 0),
+        hysteresis_tracker=jnp.where(
+            grow, jnp.int32(hysteresis),
+            jnp.where(overflow, hysteresis_left, state.hysteresis_tracker)),
+    )
+
+
+def _count_overflow(state: LossScaleState, finite: jax.Array, min_scale: float,
+                    divergence_steps: int) -> LossScaleState:
+    """Updates the overflow counters and the divergence flag (before the scale moves)."""
+    overflow = ~finite
+    at_min = overflow & (state.scale <= jnp.float32(min_scale))
+    min_scale_overflows = jnp.where(at_min, optax.safe_increment(state.min_scale_overflows), 0)
+    return state._replace(
+        steps_skipped=jnp.where(overflow, optax.safe_increment(state.steps_skipped),
+                                state.steps_skipped),
+        consecutive_overflows=jnp.where(
+            overflow, optax.safe_increment(state.consecutive_overflows), 0),
+        last_finite=finite,
+        min_scale_overflows=min_scale_overflows,
+        diverged=min_scale_overflows >= divergence_steps,
+    )
+
+
+def _apply_or_skip(inner_tx, finite, updates, inv_scale, inner_state, params, extra_args):
+    """``inner_tx.update`` on the unscaled gradients if ``finite``, else zeros and the same state.
+
+    ``lax.cond`` makes the skip exact and free of optimizer arithmetic (choosing
+    with ``where`` would keep the old state alive next to the new one and copy
+    donated moments). The unscale inside the branch fuses into the optimizer.
+    """
+    def apply():
+        grads = _unscale(updates, inv_scale)
+        new_updates, new_inner = inner_tx.update(grads, inner_state, params, **extra_args)
+        # The inner state keeps its dtypes: float32 gradients must not turn the float16
+        # moments of a pure-f16 model into float32 (a new type would recompile, break restores).
+        return new_updates, optax.tree_utils.tree_cast_like(new_inner, inner_state)
+
+    def skip():
+        # apply() is traced here only for the output types (zeros_like keeps shard_map's
+        # varying axes; master weights may change the update dtype); XLA drops it as dead.
+        updates_like, _ = apply()
+        return optax.tree_utils.tree_zeros_like(updates_like), inner_state
+
+    return jax.lax.cond(finite, apply, skip)
+
+
+# --------------------------------------------------------------------------- transformations
+
+
+def _skipping(inner: Any, *, init_scale: float, hysteresis: int, rule: Any,
+              axis_names: tuple[str, ...], min_scale: float,
+              divergence_steps: int) -> optax.GradientTransformationExtraArgs:
+    """Unscale, check, skip or apply, then the counters and ``rule`` (Dynamic and Static)."""
     inner_tx = None if inner is None else _as_extra_args(inner)
 
     def init_fn(params):
@@ -351,88 +336,56 @@ def _build(
         return _init_state(init_scale, hysteresis, inner_state)
 
     def update_fn(updates, state, params=None, **extra_args):
-        scale = jnp.asarray(state.scale, jnp.float32)
-        inv_scale = 1.0 / scale
-        finite = _finite_flag(updates, inv_scale, axis_names) if check else jnp.asarray(True)
-
-        if not check:  # NoOpLossScale: a pure pass-through.
-            if inner_tx is None:
-                return updates, state
-            new_updates, new_inner = inner_tx.update(
-                updates, state.inner_state, params, **extra_args
-            )
-            return new_updates, state._replace(inner_state=new_inner)
-
-        if inner_tx is None:
-            new_updates = _zero_on_overflow(finite, _unscale(updates, inv_scale))
+        inv_scale = 1.0 / jnp.asarray(state.scale, jnp.float32)
+        finite = _finite_flag(updates, inv_scale, axis_names)
+        if inner_tx is None:  # bare form: the links after this one are not skipped
+            unscaled = _unscale(updates, inv_scale)
+            new_updates = optax.tree_utils.tree_where(
+                finite, unscaled, optax.tree_utils.tree_zeros_like(unscaled))
             new_inner = state.inner_state
         else:
-
-            def apply():
-                # Unscaling inside the branch lets XLA fuse it into the optimizer.
-                grads = _unscale(updates, inv_scale)
-                new_updates, new_inner = inner_tx.update(
-                    grads, state.inner_state, params, **extra_args)
-                # The inner state keeps its dtypes: float32 gradients must not turn
-                # the float16 moments of a pure-f16 model into float32 (that would
-                # change the state's type after one step, recompile, and break restores).
-                return new_updates, jax.tree_util.tree_map(
-                    lambda new, old: jnp.asarray(new, jnp.result_type(old)),
-                    new_inner, state.inner_state)
-
-            def skip():
-                # Zeros and the *same* inner state: exact, and no optimizer arithmetic.
-                # apply() is traced here only for its output types (zeros_like keeps
-                # shard_map's varying axes); XLA removes it as dead code.
-                updates_like, state_like = apply()
-                zeros = jax.tree_util.tree_map(jnp.zeros_like, updates_like)
-                old = jax.tree_util.tree_map(
-                    lambda n, o: jnp.asarray(o, n.dtype), state_like, state.inner_state
-                )
-                return zeros, old
-
-            new_updates, new_inner = jax.lax.cond(finite, apply, skip)
-
-        overflow = ~finite
-        one = jnp.ones((), jnp.int32)
-        zero = jnp.zeros((), jnp.int32)
-        if dynamic:
-            # Finite step: count it; grow on the growth_interval-th one (torch and Megatron).
-            grown_tracker = state.growth_tracker + 1
-            grow = finite & (grown_tracker >= growth_interval)
-            # Overflow: Megatron's hysteresis (h=1 is torch's rule). Floor at 0 so that
-            # the int32 tracker cannot wrap; "<= 0" is unchanged by the floor.
-            hyst_after_inf = jnp.maximum(state.hysteresis_tracker - 1, 0)
-            backoff = overflow & (hyst_after_inf <= 0)
-            grown = jnp.minimum(scale * jnp.float32(growth_factor), jnp.float32(max_scale))
-            shrunk = jnp.maximum(scale * jnp.float32(backoff_factor), jnp.float32(min_scale))
-            new_scale = jnp.where(grow, grown, jnp.where(backoff, shrunk, scale))
-            growth_tracker = jnp.where(finite & ~grow, grown_tracker, zero)
-            hysteresis_tracker = jnp.where(
-                grow,
-                jnp.asarray(hysteresis, jnp.int32),
-                jnp.where(overflow, hyst_after_inf, state.hysteresis_tracker),
-            )
-        else:
-            new_scale, growth_tracker = scale, state.growth_tracker
-            hysteresis_tracker = state.hysteresis_tracker
-
-        at_min = scale <= jnp.float32(min_scale)
-        min_scale_overflows = jnp.where(overflow & at_min, state.min_scale_overflows + one, zero)
-        new_state = LossScaleState(
-            scale=new_scale,
-            growth_tracker=growth_tracker,
-            hysteresis_tracker=hysteresis_tracker,
-            steps_skipped=state.steps_skipped + overflow.astype(jnp.int32),
-            consecutive_overflows=jnp.where(overflow, state.consecutive_overflows + one, zero),
-            last_finite=finite,
-            min_scale_overflows=min_scale_overflows,
-            diverged=min_scale_overflows >= divergence_steps,
-            inner_state=new_inner,
-        )
-        return new_updates, new_state
+            new_updates, new_inner = _apply_or_skip(
+                inner_tx, finite, updates, inv_scale, state.inner_state, params, extra_args)
+        new_state = rule(_count_overflow(state, finite, min_scale, divergence_steps), finite)
+        return new_updates, new_state._replace(inner_state=new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _checked_dynamic_args(init_scale, growth_factor, backoff_factor, growth_interval,
+                          hysteresis, min_scale, max_scale, divergence_steps) -> dict[str, Any]:
+    """The arguments of :func:`DynamicLossScale`, validated, as plain Python numbers."""
+    if isinstance(growth_factor, bool) or not float(growth_factor) > 1.0:
+        raise ValueError(
+            f"growth_factor must be > 1, got {growth_factor!r}; "
+            "use e.g. growth_factor=2.0 (double the scale after growth_interval finite steps)."
+        )
+    if not math.isfinite(float(growth_factor)):
+        raise ValueError(f"growth_factor must be finite, got {growth_factor!r}; use e.g. 2.0.")
+    if not 0.0 < float(backoff_factor) < 1.0:
+        raise ValueError(
+            f"backoff_factor must be in (0, 1), got {backoff_factor!r}; "
+            "use e.g. backoff_factor=0.5 (halve the scale on overflow)."
+        )
+    args = dict(
+        init_scale=_check_scale_value("init_scale", init_scale),
+        growth_factor=float(growth_factor), backoff_factor=float(backoff_factor),
+        growth_interval=_check_int("growth_interval", growth_interval, 1,
+                                   "use e.g. growth_interval=2000 (torch's default)"),
+        hysteresis=_check_int("hysteresis", hysteresis, 1,
+                              "use hysteresis=1 for torch's rule or 2 for Megatron's default"),
+        min_scale=_check_scale_value("min_scale", min_scale),
+        max_scale=_check_scale_value("max_scale", max_scale),
+        divergence_steps=_check_int("divergence_steps", divergence_steps, 1,
+                                    "use e.g. divergence_steps=50"),
+    )
+    if not args["min_scale"] <= args["init_scale"] <= args["max_scale"]:
+        raise ValueError(
+            f"need min_scale <= init_scale <= max_scale, got min_scale={min_scale!r}, "
+            f"init_scale={init_scale!r}, max_scale={max_scale!r}; "
+            "move init_scale into the range or widen the bounds."
+        )
+    return args
 
 
 # --------------------------------------------------------------------------- public
@@ -499,50 +452,13 @@ def DynamicLossScale(  # noqa: N802  (a constructor, named like optax.MultiSteps
       >>> float(loss_scale(state)), bool(overflow_stats(state).last_finite)
       (16384.0, False)
     """
-    if isinstance(growth_factor, bool) or not float(growth_factor) > 1.0:
-        raise ValueError(
-            f"growth_factor must be > 1, got {growth_factor!r}; "
-            "use e.g. growth_factor=2.0 (double the scale after growth_interval finite steps)."
-        )
-    if not math.isfinite(float(growth_factor)):
-        raise ValueError(f"growth_factor must be finite, got {growth_factor!r}; use e.g. 2.0.")
-    if not 0.0 < float(backoff_factor) < 1.0:
-        raise ValueError(
-            f"backoff_factor must be in (0, 1), got {backoff_factor!r}; "
-            "use e.g. backoff_factor=0.5 (halve the scale on overflow)."
-        )
-    growth_interval = _check_int(
-        "growth_interval", growth_interval, 1, "use e.g. growth_interval=2000 (torch's default)"
-    )
-    hysteresis = _check_int(
-        "hysteresis", hysteresis, 1, "use hysteresis=1 for torch's rule or 2 for Megatron's default"
-    )
-    divergence_steps = _check_int(
-        "divergence_steps", divergence_steps, 1, "use e.g. divergence_steps=50"
-    )
-    init_scale = _check_scale_value("init_scale", init_scale)
-    min_scale = _check_scale_value("min_scale", min_scale)
-    max_scale = _check_scale_value("max_scale", max_scale)
-    if not min_scale <= init_scale <= max_scale:
-        raise ValueError(
-            f"need min_scale <= init_scale <= max_scale, got min_scale={min_scale!r}, "
-            f"init_scale={init_scale!r}, max_scale={max_scale!r}; "
-            "move init_scale into the range or widen the bounds."
-        )
-    return _build(
-        inner,
-        init_scale=init_scale,
-        check=True,
-        dynamic=True,
-        growth_factor=float(growth_factor),
-        backoff_factor=float(backoff_factor),
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        axis_names=_normalize_axis_names(axis_names),
-        divergence_steps=divergence_steps,
-    )
+    args = _checked_dynamic_args(init_scale, growth_factor, backoff_factor, growth_interval,
+                                 hysteresis, min_scale, max_scale, divergence_steps)
+    rule = functools.partial(_adjust_scale, **{k: v for k, v in args.items()
+                                               if k not in ("init_scale", "divergence_steps")})
+    return _skipping(inner, init_scale=args["init_scale"], hysteresis=args["hysteresis"],
+                     rule=rule, axis_names=_normalize_axis_names(axis_names),
+                     min_scale=args["min_scale"], divergence_steps=args["divergence_steps"])
 
 
 def StaticLossScale(  # noqa: N802
@@ -580,16 +496,9 @@ def StaticLossScale(  # noqa: N802
     divergence_steps = _check_int(
         "divergence_steps", divergence_steps, 1, "use e.g. divergence_steps=50"
     )
-    return _build(
-        inner,
-        init_scale=scale,
-        check=True,
-        dynamic=False,
-        min_scale=scale,
-        max_scale=scale,
-        axis_names=_normalize_axis_names(axis_names),
-        divergence_steps=divergence_steps,
-    )
+    return _skipping(inner, init_scale=scale, hysteresis=1, rule=lambda state, finite: state,
+                     axis_names=_normalize_axis_names(axis_names), min_scale=scale,
+                     divergence_steps=divergence_steps)
 
 
 def NoOpLossScale(  # noqa: N802
@@ -616,7 +525,19 @@ def NoOpLossScale(  # noqa: N802
       >>> float(loss_scale(state))
       1.0
     """
-    return _build(inner, init_scale=1.0, check=False, dynamic=False)
+    inner_tx = None if inner is None else _as_extra_args(inner)
+
+    def init_fn(params):
+        inner_state = optax.EmptyState() if inner_tx is None else inner_tx.init(params)
+        return _init_state(1.0, 1, inner_state)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if inner_tx is None:
+            return updates, state
+        updates, inner_state = inner_tx.update(updates, state.inner_state, params, **extra_args)
+        return updates, state._replace(inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 LossScaleKind = Literal["none", "static", "dynamic"]
@@ -700,21 +621,9 @@ class LossScaleConfig:
 # --------------------------------------------------------------------------- helpers
 
 
-def _is_state(x: Any) -> bool:
-    return isinstance(x, LossScaleState)
-
-
-def _find_all(tree: Any) -> list[LossScaleState]:
-    found = []
-    for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_state):
-        if _is_state(leaf):
-            found.append(leaf)
-            found.extend(_find_all(leaf.inner_state))
-    return found
-
-
 def _find_state(opt_state: Any) -> LossScaleState:
-    found = _find_all(opt_state)
+    found = [state for _, state in
+             optax.tree_utils.tree_get_all_with_path(opt_state, "LossScaleState")]
     if not found:
         raise ValueError(
             "no jamp loss-scale state found in opt_state; wrap your optimizer with "
