@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core
 import numpy as np
 
 
@@ -79,22 +80,28 @@ class MemoryReport:
         return "\n".join(f"{name:<22}{mib(b):>14}" for name, b in rows)
 
 
-def _activation_bytes(loss_fn: Callable, params: Any, args: tuple) -> int | None:
-    try:  # Private, but the only place JAX says where each residual comes from.
-        from jax._src.ad_checkpoint import saved_residuals
-    except ImportError:  # pragma: no cover - depends on the JAX version
-        return None
-    try:
-        # Inputs are arguments (they may be ShapeDtypeStructs) but not differentiated.
-        residuals = saved_residuals(
-            lambda p, *a: loss_fn(p, *jax.tree_util.tree_map(jax.lax.stop_gradient, a)),
-            params, *args)
-    except Exception:  # pragma: no cover - depends on the JAX version
-        return None
-    return sum(tree_bytes(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
-               for aval, source in residuals
-               if not source.startswith(("from the argument", "from a constant",
-                                         "output of stop_gradient")))
+def _residuals_of(loss_fn: Callable) -> Callable:
+    """``(params, *args) -> residuals``: what ``jax.vjp`` keeps for the backward pass."""
+
+    def residuals_of(p, *a):
+        _, vjp_fn = jax.vjp(lambda q: loss_fn(q, *a), p)
+        return jax.tree_util.tree_leaves(vjp_fn)
+
+    return residuals_of
+
+
+def _activation_bytes(loss_fn: Callable, params: Any, args: tuple) -> int:
+    """Bytes of the residuals the forward pass computes: not an input, not a constant.
+
+    A residual that *is* a parameter or a batch input (e.g. the float32 kernel
+    a matmul keeps for its input gradient) is returned by the jaxpr as one of
+    its inputs; everything else (half-precision copies, activations) was computed.
+    """
+    jaxpr = jax.make_jaxpr(_residuals_of(loss_fn))(params, *args).jaxpr
+    given = {*jaxpr.invars, *jaxpr.constvars}
+    return sum(tree_bytes(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype))
+               for v in jaxpr.outvars
+               if not isinstance(v, jax.extend.core.Literal) and v not in given)
 
 
 def memory_report(
@@ -123,11 +130,7 @@ def memory_report(
       >>> r.grads_bytes
       36
     """
-    def residuals_of(p, *a):
-        _, vjp_fn = jax.vjp(lambda q: loss_fn(q, *a), p)
-        return jax.tree_util.tree_leaves(vjp_fn)
-
-    residual_shapes = jax.eval_shape(residuals_of, params, *args)
+    residual_shapes = jax.eval_shape(_residuals_of(loss_fn), params, *args)
     return MemoryReport(
         params_bytes=tree_bytes(params),
         grads_bytes=tree_bytes(params),

@@ -27,7 +27,6 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 import jmp
-from jmp._src import policy as _jmp_policy
 
 from jamp.loss_scale import LossScaleConfig
 
@@ -41,8 +40,17 @@ _KEY_ALIASES = {"p": "params", "params": "params", "c": "compute", "compute": "c
                 "o": "output", "output": "output"}
 
 
-def _dtype_names() -> list[str]:
-    return sorted(_jmp_policy.name_to_dtype) + ["half"]
+_DTYPE_NAMES = ("bf16", "bfloat16", "f16", "float16", "f32", "float32", "f64", "float64",
+                "full", "half")
+"""The dtype names of jmp's grammar, for error messages (jmp's parser is the authority)."""
+
+
+def _is_dtype_name(name: str) -> bool:
+    try:
+        jmp.get_policy(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _policy_error(spec: object, problem: str) -> ValueError:
@@ -51,7 +59,7 @@ def _policy_error(spec: object, problem: str) -> ValueError:
         f"for everything (e.g. 'bf16') or comma-separated key=dtype pairs, e.g. "
         f"'params=float32,compute=float16,output=float32' or 'p=full,c=bf16,o=full'. "
         f"Valid keys: {', '.join(_KEYS)} (or p, c, o). Valid dtype names: "
-        f"{', '.join(_dtype_names())}. 'half' means float16 on GPU/CPU and bfloat16 on "
+        f"{', '.join(_DTYPE_NAMES)}. 'half' means float16 on GPU/CPU and bfloat16 on "
         f"TPU, resolved from the first local device when the policy is parsed."
     )
 
@@ -94,10 +102,10 @@ def get_policy(spec: str | Policy) -> Policy:
                 raise _policy_error(spec, f"{part.strip()!r} is not of the form key=dtype")
             if key.strip() not in _KEY_ALIASES:
                 raise _policy_error(spec, f"unknown key {key.strip()!r}")
-            if value.strip() not in _dtype_names():
+            if not _is_dtype_name(value.strip()):
                 raise _policy_error(spec, f"unknown dtype {value.strip()!r}")
         text = ",".join(p.strip().replace(" ", "") for p in text.split(","))
-    elif text not in _dtype_names():
+    elif not _is_dtype_name(text):
         raise _policy_error(spec, f"unknown dtype {text!r}")
     return jmp.get_policy(text)
 

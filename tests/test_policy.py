@@ -153,3 +153,12 @@ def test_loss_scale_config_values_are_checked_when_made():
         jamp.mixed_precision("fp16", growth_interval=0)
     with pytest.raises(ValueError, match="divergence_steps must be >= 1"):
         jamp.mixed_precision("fp16_pure", divergence_steps=0)
+
+
+def test_every_dtype_name_in_the_error_message_parses():
+    from jamp.policy import _DTYPE_NAMES
+
+    for name in _DTYPE_NAMES:
+        assert jamp.get_policy(f"c={name}").compute_dtype is not None
+    with pytest.raises(ValueError, match="Valid dtype names: bf16, bfloat16"):
+        jamp.get_policy("c=float8")
