@@ -44,21 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = [
-    "DynamicLossScale",
-    "LossScaleConfig",
-    "LossScaleDivergedError",
-    "LossScaleState",
-    "NoOpLossScale",
-    "OverflowStats",
-    "StaticLossScale",
-    "all_finite",
-    "check_divergence",
-    "loss_scale",
-    "overflow_stats",
-    "scale_loss",
-]
-
 _SCALE_LO, _SCALE_HI = 2.0**-126, 2.0**126
 
 
