@@ -67,8 +67,8 @@ def make_optimizer(
     return mp.loss_scale.wrap(tx, axis_names)
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0,
-                  mask: jax.Array | None = None) -> jax.Array:
+def cross_entropy(logits: jax.Array, labels: jax.Array,
+                  label_smoothing: float = 0.0) -> jax.Array:
     """Mean softmax cross-entropy in float32 (the loss always runs in float32).
 
     Example:
@@ -78,10 +78,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float =
     """
     logits = logits.astype(jnp.float32)
     targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
-    losses = optax.softmax_cross_entropy(logits, targets)
-    if mask is None:
-        return losses.mean()
-    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)
+    return optax.softmax_cross_entropy(logits, targets).mean()
 
 
 def correct_predictions(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -146,7 +143,16 @@ def eval_step(state: train_state.TrainState, batch: dict[str, jax.Array]) -> dic
     """Sums of loss, correct predictions and examples over a (masked) eval batch.
 
     Example:
-      >>> # metrics = jamp.eval_step(state, {"image": x, "label": y, "mask": m})
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> from flax.training import train_state
+      >>> logits_are_images = lambda variables, images, train: images
+      >>> state = train_state.TrainState.create(apply_fn=logits_are_images, params={},
+      ...                                       tx=optax.identity())
+      >>> batch = {"image": jnp.array([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0]]),
+      ...          "label": jnp.array([0, 0, 1]), "mask": jnp.array([True, True, False])}
+      >>> metrics = jamp.eval_step(state, batch)
+      >>> float(metrics["correct"]), float(metrics["count"])
+      (1.0, 2.0)
     """
     logits = state.apply_fn({"params": state.params}, batch["image"], train=False)
     mask = batch.get("mask", jnp.ones(batch["label"].shape, bool)).astype(jnp.float32)

@@ -6,6 +6,7 @@ import collections
 import importlib.resources
 import importlib.resources.abc
 import json
+import os
 import shutil
 
 import grain
@@ -14,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import tensorflow_datasets as tfds
+from absl import flags
 from sklearn.datasets import load_digits
 
 from jamp import data
@@ -54,6 +56,45 @@ def mnist_dir(tmp_path_factory):
         tfds.disable_progress_bar()
         builder.download_and_prepare()
     return data_dir
+
+
+@pytest.fixture
+def absl_flags_parsed():
+    """grain's worker processes read its absl flags: parse them, as ``absl.app.run`` would."""
+    parsed = flags.FLAGS.is_parsed()
+    flags.FLAGS.mark_as_parsed()
+    yield
+    if not parsed:
+        flags.FLAGS.unparse_flags()
+
+
+MOCK_EXAMPLES = 21
+
+
+@pytest.fixture(scope="module")
+def tfds_mock_metadata(tmp_path_factory):
+    """Metadata of "mnist" and "cifar10" prepared as array_record, 21 examples a split.
+
+    ``tfds.testing.mock_data(policy=USE_FILES, data_dir=...)`` reads it (split names and
+    sizes, file format) in place of any data_dir, and serves random examples.
+    """
+    metadata_dir = str(tmp_path_factory.mktemp("tfds_metadata"))
+    for name in ("mnist", "cifar10"):
+        builder = tfds.builder(name, data_dir=metadata_dir, file_format="array_record")
+        template = tfds.core.ShardedFileTemplate(
+            data_dir=builder.data_dir, dataset_name=builder.name, filetype_suffix="array_record")
+        builder.info.set_splits(tfds.core.SplitDict([
+            tfds.core.SplitInfo(name=split, shard_lengths=[MOCK_EXAMPLES], num_bytes=0,
+                                filename_template=template.replace(split=split))
+            for split in ("train", "test")]))
+        os.makedirs(builder.data_dir)
+        builder.info.write_to_directory(builder.data_dir)
+    return metadata_dir
+
+
+def _tfds_mocked() -> bool:
+    init = tfds.core.DatasetBuilder.__init__
+    return getattr(init, "__module__", None) == "tensorflow_datasets.testing.mocking"
 
 
 def _examples(source):
@@ -189,7 +230,7 @@ def test_train_loader_shards_processes(digits_dir):
     assert (full - shards[0] - shards[1]).total() == 1
 
 
-def test_train_loader_worker_processes(digits_dir):
+def test_train_loader_worker_processes(digits_dir, absl_flags_parsed):
     in_process = _take(iter(_digits_loader(digits_dir, seed=5)), 2)
     it = iter(_digits_loader(digits_dir, seed=5, worker_count=1))
     _assert_same(in_process, _take(it, 2))
@@ -301,11 +342,13 @@ def test_named_dataset(mnist_dir):
 @pytest.mark.parametrize(
     "name,image_shape,image_size", [("mnist", (28, 28, 1), 16), ("cifar10", (32, 32, 3), 32)]
 )
-def test_named_dataset_with_tfds_mock_data(name, image_shape, image_size, tmp_path):
+def test_named_dataset_with_tfds_mock_data(name, image_shape, image_size, tmp_path,
+                                           tfds_mock_metadata):
     """The real TFDS path (builder, tfds.data_source, grain) on mock_data's random examples."""
-    assert not data.sources.tfds_mocked()
-    with tfds.testing.mock_data(num_examples=21, policy=tfds.testing.MockPolicy.USE_CODE):
-        assert data.sources.tfds_mocked()
+    assert not _tfds_mocked()
+    with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES, data_dir=tfds_mock_metadata,
+                                policy=tfds.testing.MockPolicy.USE_FILES):
+        assert _tfds_mocked()
         info = data.get_dataset_info(name, tmp_path)
         assert info == data.DatasetInfo(name, 10, image_shape, 21, 21, "train", "test")
         loader = data.train_loader(

@@ -36,7 +36,6 @@ from collections.abc import Iterator
 
 import grain
 import numpy as np
-from absl import flags
 
 from jamp.data import sources, transforms
 from jamp.data.sources import DatasetInfo, get_dataset_info
@@ -108,6 +107,9 @@ def train_loader(
       num_epochs: passes over the data; None repeats forever.
       worker_count: grain worker processes for the transforms (0: in-process, the
         fastest on small hosts; on many-core hosts a few workers add throughput).
+        Workers read grain's absl flags, so these must be parsed first: ``absl.app.run``
+        does it (the ``jamp.train`` command); elsewhere call
+        ``absl.flags.FLAGS.mark_as_parsed()``.
       read_options: grain's reader threads / prefetch buffer; None means no reader
         threads when `worker_count` is 0 (on 2 cores they only add GIL contention)
         and grain's defaults inside workers otherwise.
@@ -156,9 +158,6 @@ def train_loader(
         num_epochs=num_epochs,
         seed=seed,
     )
-    if worker_count > 0 and not flags.FLAGS.is_parsed():
-        # grain's worker start-up reads absl flags; let programs without absl.app run.
-        flags.FLAGS.mark_as_parsed()
     return grain.DataLoader(
         data_source=source,
         sampler=sampler,

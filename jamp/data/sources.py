@@ -5,10 +5,6 @@ the local data_dir in a random-access format (array_record) or the call raises
 `DatasetNotFoundError` saying where it looked and how to prepare it. The name
 "digits" is the embedded offline dataset (`jamp.data.digits`), built on first use.
 
-Inside `tfds.testing.mock_data` (tests), TFDS ignores data_dir and serves random
-examples, so nothing is looked for on disk and split sizes are the mocked
-sources' lengths; see `tfds_mocked`.
-
 Example:
   >>> info = get_dataset_info("digits", "/tmp/tfds")
   >>> info.num_classes, info.image_shape, info.num_train, info.num_test
@@ -134,9 +130,7 @@ def get_dataset_info(name: str, data_dir: str | os.PathLike | None = None) -> Da
     label = features["label"]
     if not isinstance(label, tfds.features.ClassLabel):
         raise ValueError(f'Dataset {name!r}: "label" is {label!r}, not a ClassLabel.')
-    mocked = tfds_mocked()
-    # Under mock_data's USE_CODE policy split names are unknown (any is accepted).
-    splits = list(builder.info.splits) or (["train", "test"] if mocked else [])
+    splits = list(builder.info.splits)
     if "train" not in splits:
         raise ValueError(f'Dataset {name!r} has no "train" split (splits: {list(splits)}).')
     test_split = next((s for s in ("test", "validation") if s in splits), None)
@@ -152,8 +146,8 @@ def get_dataset_info(name: str, data_dir: str | os.PathLike | None = None) -> Da
         name=canonical_name(name),
         num_classes=int(label.num_classes),
         image_shape=shape,
-        num_train=_num_examples(builder, "train", mocked),
-        num_test=_num_examples(builder, test_split, mocked),
+        num_train=int(builder.info.splits["train"].num_examples),
+        num_test=int(builder.info.splits[test_split].num_examples),
         train_split="train",
         test_split=test_split,
     )
@@ -174,45 +168,25 @@ def open_source(
     )
 
 
-def tfds_mocked() -> bool:
-    """Whether `tfds.testing.mock_data` is active.
-
-    It patches `DatasetBuilder.__init__` to replace every data_dir by its own, and
-    makes data sources yield `num_examples` random examples per split whatever
-    the dataset's metadata says.
-
-    Example:
-      >>> tfds_mocked()
-      False
-      >>> with tfds.testing.mock_data(num_examples=3):
-      ...     tfds_mocked()
-      True
-    """
-    init = tfds.core.DatasetBuilder.__init__
-    return getattr(init, "__module__", None) == "tensorflow_datasets.testing.mocking"
-
-
 def channel_stats(
     info: DatasetInfo, data_dir: str | None = None, max_examples: int = 512
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel pixel mean and std of the train split, from evenly spaced examples.
 
-    Used to normalise images to roughly zero mean and unit variance. Cached
-    (separately for the real and the `tfds.testing.mock_data` sources).
+    Used to normalise images to roughly zero mean and unit variance. Cached.
 
     Example:
       >>> mean, std = channel_stats(get_dataset_info("digits", "/tmp/tfds"), "/tmp/tfds")
       >>> len(mean), len(std)
       (1, 1)
     """
-    return _channel_stats(info, data_dir, max_examples, tfds_mocked())
+    return _channel_stats(info, data_dir, max_examples)
 
 
 @functools.lru_cache(maxsize=32)
 def _channel_stats(
-    info: DatasetInfo, data_dir: str | None, max_examples: int, mocked: bool
+    info: DatasetInfo, data_dir: str | None, max_examples: int
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    del mocked  # Only part of the cache key.
     source = open_source(info, info.train_split, data_dir)
     indices = np.linspace(0, len(source) - 1, num=min(max_examples, len(source))).astype(int)
     total = np.zeros(info.image_shape[-1])
@@ -230,19 +204,13 @@ def _channel_stats(
 
 
 def _prepared_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
-    """Returns the builder of a dataset prepared in `data_dir`, or raises why not.
-
-    Under `tfds.testing.mock_data` only the name is checked: nothing is on disk.
-    """
-    mocked = tfds_mocked()
-    if name in digits.ALIASES and not mocked:
+    """Returns the builder of a dataset prepared in `data_dir`, or raises why not."""
+    if name in digits.ALIASES:
         digits.prepare_digits(data_dir)
     try:
         builder = tfds.builder(canonical_name(name), data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
         raise DatasetNotFoundError(_unknown_message(name, data_dir)) from None
-    if mocked:
-        return builder
     version_dir = epath.Path(builder.data_dir)
     if not (version_dir / "dataset_info.json").exists():
         raise DatasetNotFoundError(_not_prepared_message(name, data_dir, version_dir))
@@ -250,13 +218,6 @@ def _prepared_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
     if not formats & set(tfds.core.FileFormat.with_random_access()):
         raise DatasetNotFoundError(_no_random_access_message(name, version_dir, formats))
     return builder
-
-
-def _num_examples(builder: tfds.core.DatasetBuilder, split: str, mocked: bool) -> int:
-    """Examples in `split`: from the metadata, or the mocked source's length."""
-    if mocked:
-        return len(builder.as_data_source(split=split))
-    return int(builder.info.splits[split].num_examples)
 
 
 def _prepare_hint(name: str, data_dir: str) -> str:

@@ -19,8 +19,7 @@ from jamp.parallel.mesh import (
     batch_sharding,
     make_mesh,
     mesh_shape,
-    replicated,
 )
 
 __all__ = ["AXES", "LOGICAL_AXIS_RULES", "batch_sharding", "data_parallel", "launch",
-           "make_mesh", "mesh_shape", "pipeline", "replicated", "step"]
+           "make_mesh", "mesh_shape", "pipeline", "step"]

@@ -102,15 +102,3 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
       True
     """
     return NamedSharding(mesh, PartitionSpec("data"))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    """A fully replicated sharding on ``mesh``.
-
-    Example:
-      >>> from jax.sharding import PartitionSpec
-      >>> from jamp.parallel import make_mesh, replicated
-      >>> replicated(make_mesh({"data": 1})).spec == PartitionSpec()
-      True
-    """
-    return NamedSharding(mesh, PartitionSpec())
