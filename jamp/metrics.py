@@ -1,5 +1,9 @@
 """Metrics of a training run: JSONL, TensorBoard, and a PNG plot at the end.
 
+``metrics.jsonl`` is strict JSON: a non-finite value (a NaN loss of a diverging
+run) is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` and
+read back as a float by :func:`read_metrics`; TensorBoard gets finite values only.
+
 Example:
   >>> import tempfile
   >>> w = MetricsWriter(tempfile.mkdtemp(), enabled=True)
@@ -10,8 +14,11 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
+
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 class MetricsWriter:
@@ -43,10 +50,11 @@ class MetricsWriter:
             return
         record = {"step": int(step), **{k: _py(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps({k: _json_safe(v) for k, v in record.items()},
+                               allow_nan=False) + "\n")
         if self._tb is not None:
             for k, v in record.items():
-                if k != "step" and isinstance(v, int | float):
+                if k != "step" and isinstance(v, int | float) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
 
@@ -62,8 +70,20 @@ def _py(value: Any) -> Any:
     return value
 
 
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    return value
+
+
+def _from_json(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
+
+
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
     """Reads back ``metrics.jsonl`` of a run (missing file: empty list).
+
+    Non-finite values come back as floats (``nan``, ``inf``, ``-inf``).
 
     Example:
       >>> read_metrics("/nonexistent")
@@ -73,7 +93,7 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [_from_json(json.loads(line)) for line in f if line.strip()]
 
 
 def plot_run(workdir: str, out_path: str | None = None) -> str | None:
