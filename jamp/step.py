@@ -3,7 +3,8 @@
 :func:`make_optimizer` turns a :class:`~jamp.MixedPrecision` recipe and any optax
 optimizer into the one transformation the mode needs (fp32 master weights,
 then the loss scale outside them). :func:`train_step` is a complete
-classification step on a ``flax.training.train_state.TrainState``.
+classification step on a ``flax.training.train_state.TrainState``, on one device
+or, given the mesh's gradient function (:mod:`jamp.parallel.step`), on a mesh.
 
 Example:
   >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, jamp
@@ -24,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -97,17 +99,49 @@ def correct_predictions(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return ((jnp.argmax(logits, -1) == labels) & finite).astype(jnp.float32)
 
 
+LossFn = Callable[[Any, dict[str, jax.Array], jax.Array],
+                  tuple[jax.Array, dict[str, jax.Array]]]
+"""``loss_fn(params, batch, rng) -> (scaled_loss, {"loss": ..., "accuracy": ...})``.
+
+Every output is a mean over the examples of ``batch``.
+"""
+
+ValueAndGrad = Callable[[LossFn], Callable[..., tuple[tuple[jax.Array, Any], Any]]]
+"""Turns a :data:`LossFn` into ``f(params, batch, rng) -> ((value, aux), grads)``."""
+
+
+def single_device_value_and_grad(
+    loss_fn: LossFn,
+) -> Callable[..., tuple[tuple[jax.Array, Any], Any]]:
+    """``jax.value_and_grad(loss_fn, has_aux=True)``: :func:`train_step`'s default.
+
+    The whole batch is differentiated at once. Under ``jax.jit`` on a mesh the
+    partitioner would all-reduce half-precision gradients in half precision
+    (jax-ml/jax#27496): use :func:`jamp.parallel.step.value_and_grad` there.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> loss_fn = lambda w, batch, rng: (jnp.sum(w * batch["x"]), {})
+      >>> (value, aux), grads = single_device_value_and_grad(loss_fn)(
+      ...     jnp.ones(2), {"x": jnp.array([1.0, 2.0])}, None)
+      >>> float(value), grads.tolist()
+      (3.0, [1.0, 2.0])
+    """
+    return jax.value_and_grad(loss_fn, has_aux=True)
+
+
 def train_step(
     state: train_state.TrainState,
     batch: dict[str, jax.Array],
     rng: jax.Array,
     label_smoothing: float = 0.0,
+    value_and_grad: ValueAndGrad = single_device_value_and_grad,
 ) -> tuple[train_state.TrainState, dict[str, Any]]:
     """One classification training step with loss scaling and exact skip-on-overflow.
 
-    The loss is computed in float32 on the model's logits, scaled by the current
-    loss scale, differentiated; the optimizer (from :func:`make_optimizer`)
-    unscales, checks and skips or applies the update.
+    The loss is computed in float32 on the model's logits and scaled by the
+    current loss scale; ``value_and_grad`` differentiates it; the optimizer
+    (from :func:`make_optimizer`) unscales, checks and skips or applies the update.
 
     Args:
       state: a ``TrainState`` whose ``apply_fn(variables, images, train=..., rngs=...)``
@@ -115,6 +149,11 @@ def train_step(
       batch: ``{"image": [B, ...], "label": [B]}``.
       rng: dropout key for this step.
       label_smoothing: optional label smoothing.
+      value_and_grad: how the scaled loss is differentiated. The default,
+        :func:`single_device_value_and_grad`, takes the whole batch at once; on a
+        mesh pass :func:`jamp.parallel.step.value_and_grad`, which
+        differentiates each 'data' shard's share and all-reduces the gradients in
+        each parameter's dtype.
 
     Returns:
       The new state and metrics: loss, accuracy, loss_scale (used for this
@@ -124,19 +163,18 @@ def train_step(
     """
     scale = loss_scale(state.opt_state)
 
-    def loss_fn(params):
+    def loss_fn(params, batch, rng):
         logits = state.apply_fn({"params": params}, batch["image"], train=True,
                                 rngs={"dropout": rng})
         loss = cross_entropy(logits, batch["label"], label_smoothing)
-        return scale_loss(loss, state.opt_state), (loss, logits)
+        accuracy = jnp.mean(correct_predictions(logits, batch["label"]))
+        return scale_loss(loss, state.opt_state), {"loss": loss, "accuracy": accuracy}
 
-    grads, (loss, logits) = jax.grad(loss_fn, has_aux=True)(state.params)
+    (_, metrics), grads = value_and_grad(loss_fn)(state.params, batch, rng)
     state = state.apply_gradients(grads=grads)
     stats = overflow_stats(state.opt_state)
-    accuracy = jnp.mean(correct_predictions(logits, batch["label"]))
-    return state, dict(loss=loss, accuracy=accuracy, loss_scale=scale,
-                       grad_finite=stats.last_finite, steps_skipped=stats.steps_skipped,
-                       diverged=stats.diverged)
+    return state, dict(metrics, loss_scale=scale, grad_finite=stats.last_finite,
+                       steps_skipped=stats.steps_skipped, diverged=stats.diverged)
 
 
 def eval_step(state: train_state.TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -51,7 +51,7 @@ from jamp.memory import MemoryReport, memory_report
 from jamp.metrics import MetricsWriter, plot_run
 from jamp.models import vit
 from jamp.policy import MixedPrecision, mixed_precision
-from jamp.step import cross_entropy, eval_step, make_optimizer
+from jamp.step import ValueAndGrad, cross_entropy, eval_step, make_optimizer, train_step
 
 
 class ConfigError(ValueError):
@@ -244,6 +244,12 @@ def init_state(exp: Experiment, rng: jax.Array, shardings: Any) -> train_state.T
     return jax.jit(lambda r: nn.unbox(_create_state(exp, r)), out_shardings=shardings)(rng)
 
 
+def mesh_value_and_grad(exp: Experiment, shardings: Any) -> ValueAndGrad:
+    """The gradient function of the train step on ``exp.mesh`` (:mod:`jamp.parallel.step`)."""
+    param_specs = jax.tree_util.tree_map(lambda s: s.spec, shardings.params)
+    return parallel.step.value_and_grad(param_specs, pipelined=exp.mesh.shape["pipe"] > 1)
+
+
 def jit_train_step(exp: Experiment, shardings: Any):
     """``step(state, batch, rng) -> (state, metrics)``: the jitted data/tensor/pipeline step.
 
@@ -254,10 +260,10 @@ def jit_train_step(exp: Experiment, shardings: Any):
       >>> # with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
       >>> #     state, metrics = jit_train_step(exp, shardings)(state, batch, rng)
     """
-    param_specs = jax.tree_util.tree_map(lambda s: s.spec, shardings.params)
+    value_and_grad = mesh_value_and_grad(exp, shardings)
     smoothing = exp.config.label_smoothing
     return jax.jit(
-        lambda s, b, r: parallel.step.train_step(s, b, r, smoothing, param_specs),
+        lambda s, b, r: train_step(s, b, r, smoothing, value_and_grad),
         in_shardings=(shardings, parallel.batch_sharding(exp.mesh), None),
         out_shardings=(shardings, None), donate_argnums=(0,))
 

@@ -199,9 +199,10 @@ plt.show()
 # ## One step on the mesh equals one step on one device
 #
 # The same initial state, once on a single device with `jamp.train_step`, once placed on
-# the mesh by the logical axis rules and stepped with `jamp.parallel.step.train_step`
-# (the trainer's step: gradients all-reduced over `data` in float32, heads and MLP split
-# over `model`, the encoder run as a 2-stage pipeline over `pipe`).
+# the mesh by the logical axis rules and stepped with `jamp.train_step` given the mesh's
+# gradient function, `jamp.parallel.step.value_and_grad` (the trainer's step: gradients
+# all-reduced over `data` in float32, heads and MLP split over `model`, the encoder run as
+# a 2-stage pipeline over `pipe`).
 
 # %%
 state = jax.jit(lambda key: nn.unbox(create_state(key)))(jax.random.key(0))
@@ -214,8 +215,9 @@ single_state, single_metrics = jax.jit(jamp.train_step)(state, batch, rng)
 
 batch_sharding = parallel.batch_sharding(mesh)
 with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    mesh_value_and_grad = parallel.step.value_and_grad(param_specs, pipelined=True)
     mesh_step = jax.jit(
-        lambda s, b, r: parallel.step.train_step(s, b, r, 0.0, param_specs),
+        lambda s, b, r: jamp.train_step(s, b, r, value_and_grad=mesh_value_and_grad),
         in_shardings=(shardings, batch_sharding, None), out_shardings=(shardings, None))
     mesh_state, mesh_metrics = mesh_step(jax.device_put(state, shardings),
                                          jax.device_put(batch, batch_sharding), rng)

@@ -247,14 +247,14 @@ def test_label_smoothing_reaches_the_train_step(monkeypatch, digits_dir):
     exp = train.build_experiment(_config(label_smoothing=0.2, data_dir=digits_dir))
     seen = []
 
-    def fake_train_step(state, batch, rng, label_smoothing, param_specs):
+    def fake_train_step(state, batch, rng, label_smoothing, value_and_grad):
         seen.append(label_smoothing)
         return state, {}
 
     class Shardings(NamedTuple):
         params: dict
 
-    monkeypatch.setattr(train.parallel.step, "train_step", fake_train_step)
+    monkeypatch.setattr(train, "train_step", fake_train_step)
     step = train.jit_train_step(exp, Shardings(params={}))
     step.__wrapped__(None, None, None)  # the traced function, not compiled
     assert seen == [0.2]
