@@ -71,6 +71,7 @@ class Experiment:
     mesh: jax.sharding.Mesh
     info: data.DatasetInfo
     model: nn.Module
+    pipeline: parallel.pipeline.GPipe | None
     tx: optax.GradientTransformation
     steps_per_epoch: int
     total_steps: int
@@ -138,6 +139,10 @@ def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_batch(config, mesh)
+    stages = mesh.shape["pipe"]
+    pipeline = None
+    if stages > 1:
+        pipeline = parallel.pipeline.GPipe(stages, config.pipeline_microbatches)
     info = data.get_dataset_info(config.dataset, config.data_dir)
     model_overrides = {k: config[k] for k in ("num_layers", "hidden_size", "num_heads",
                                               "mlp_dim") if config[k] is not None}
@@ -145,7 +150,7 @@ def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
         module = vit.create(config.model, num_classes=info.num_classes,
                             patch_size=config.patch_size, dropout_rate=config.dropout_rate,
                             remat=config.remat, scan_layers=config.scan_layers,
-                            pipeline_microbatches=config.pipeline_microbatches,
+                            layer_runner=pipeline,
                             **model_overrides)
     except ValueError as e:
         raise ConfigError(f"--config.model: {e}") from None
@@ -162,7 +167,7 @@ def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
     tx = build_optimizer(config, total_steps, mp)
-    return Experiment(config, mp, mesh, info, apply_policy(module, mp), tx,
+    return Experiment(config, mp, mesh, info, apply_policy(module, mp), pipeline, tx,
                       steps_per_epoch, total_steps)
 
 
@@ -247,7 +252,7 @@ def init_state(exp: Experiment, rng: jax.Array, shardings: Any) -> train_state.T
 def mesh_value_and_grad(exp: Experiment, shardings: Any) -> ValueAndGrad:
     """The gradient function of the train step on ``exp.mesh`` (:mod:`jamp.parallel.step`)."""
     param_specs = jax.tree_util.tree_map(lambda s: s.spec, shardings.params)
-    return parallel.step.value_and_grad(param_specs, pipelined=exp.mesh.shape["pipe"] > 1)
+    return parallel.step.value_and_grad(param_specs, pipelined=exp.pipeline is not None)
 
 
 def jit_train_step(exp: Experiment, shardings: Any):
@@ -481,17 +486,9 @@ def _loop(exp, state, iterator: Iterator, p_train, p_eval, ckpt: Checkpointer,
         "final_loss_scale": float(jax.device_get(loss_scale(state.opt_state))),
         "devices": exp.mesh.devices.size,
         "mesh": dict(exp.mesh.shape),
-        "pipeline_bubble": _pipeline_bubble(exp),
+        "pipeline_bubble": exp.pipeline.bubble_fraction if exp.pipeline else 0.0,
         "param_norm": float(jax.device_get(_param_norm(state.params))),
     }
-
-
-def _pipeline_bubble(exp: Experiment) -> float:
-    """Idle fraction (S-1)/(M+S-1) of the GPipe schedule; 0 without a pipeline."""
-    stages = exp.mesh.shape["pipe"]
-    if stages == 1:
-        return 0.0
-    return parallel.pipeline.bubble_fraction(stages, exp.config.pipeline_microbatches)
 
 
 @jax.jit

@@ -131,12 +131,21 @@ print("\nlogical axis -> mesh axis:", dict(RULES))
 # The ViT names every parameter axis (`embed`, `heads`, `mlp`, `layers`, ...); the rules
 # turn those names into a `PartitionSpec` on the mesh. Attention heads and MLP units are
 # split over `model`, the stacked encoder layers over `pipe`; the rest is replicated.
+# The model pipelines only when it is told to: its `layer_runner` here is a GPipe schedule
+# of `pipe` stages over 4 microbatches (without one it runs the plain `nn.scan`; the
+# parameters are the same either way).
 
 # %%
 mp = jamp.mixed_precision("fp16", init_scale=2.0**12)
-model = jamp.apply_policy(
-    vit.create("ti", num_classes=10, patch_size=2, num_layers=2, hidden_size=64,
-               num_heads=4, mlp_dim=128, pipeline_microbatches=4), mp)
+
+
+def vit_model(layer_runner=None):
+    return jamp.apply_policy(
+        vit.create("ti", num_classes=10, patch_size=2, num_layers=2, hidden_size=64,
+                   num_heads=4, mlp_dim=128, layer_runner=layer_runner), mp)
+
+
+model = vit_model(parallel.pipeline.GPipe(stages=mesh.shape["pipe"], microbatches=4))
 tx = jamp.make_optimizer(mp, optax.sgd(0.05))  # DynamicLossScale(sgd)
 sample = jnp.zeros((1, 8, 8, 1))
 
@@ -211,7 +220,8 @@ first = next(jamp.data.eval_batches("digits", split="train", image_size=8,
 batch = {"image": first["image"], "label": first["label"]}
 rng = jax.random.key(1)
 
-single_state, single_metrics = jax.jit(jamp.train_step)(state, batch, rng)
+single_state, single_metrics = jax.jit(jamp.train_step)(
+    state.replace(apply_fn=vit_model().apply), batch, rng)  # one device: no pipeline
 
 batch_sharding = parallel.batch_sharding(mesh)
 with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):

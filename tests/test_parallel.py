@@ -39,6 +39,7 @@ from jamp import data, parallel, train
 from jamp.config import vit_config
 from jamp.loss_scale import loss_scale, overflow_stats
 from jamp.master import master_params
+from jamp.parallel import pipeline
 
 if len(jax.devices()) < 8:  # conftest forces 8 CPU devices
     pytest.skip("needs 8 devices", allow_module_level=True)
@@ -346,12 +347,11 @@ def test_tensor_parallel_shards_params_optimizer_state_and_master_copy():
     assert local == (2, 16, 16)
 
 
-def _tiny_vit(mode: str, num_layers: int, microbatches: int):
+def _tiny_vit(mode: str, num_layers: int, layer_runner=None):
     from jamp.models import vit
 
     module = vit.create("ti", num_classes=10, patch_size=2, num_layers=num_layers,
-                        hidden_size=16, num_heads=2, mlp_dim=32,
-                        pipeline_microbatches=microbatches)
+                        hidden_size=16, num_heads=2, mlp_dim=32, layer_runner=layer_runner)
     model = jamp.apply_policy(module, mode)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8, 8, 1))))["params"]
     return model, params
@@ -359,14 +359,20 @@ def _tiny_vit(mode: str, num_layers: int, microbatches: int):
 
 def test_pipeline_matches_scan_forward_and_gradients():
     # The model alone: GPipe over 2 and 4 stages (4 microbatches) = the plain nn.scan.
-    model, params = _tiny_vit("fp32", num_layers=4, microbatches=4)
+    model, params = _tiny_vit("fp32", num_layers=4)
     params["head"]["kernel"] = jax.random.normal(jax.random.key(2), (16, 10)) * 0.1
     x = jax.random.normal(jax.random.key(1), (8, 8, 8, 1))
-    f = jax.value_and_grad(lambda p: jnp.sum(model.apply({"params": p}, x) ** 2))
+    value_and_grad = lambda model: jax.value_and_grad(
+        lambda p: jnp.sum(model.apply({"params": p}, x) ** 2))
+    f = value_and_grad(model)
     want_value, want_grads = jax.jit(f).lower(params).compile(FAST)(params)
     for stages in (2, 4):
+        piped, piped_params = _tiny_vit("fp32", 4, pipeline.GPipe(stages, microbatches=4))
+        assert jax.tree.structure(piped_params) == jax.tree.structure(params)
         with jax.set_mesh(parallel.make_mesh({"data": 1, "model": 1, "pipe": stages})):
-            lowered = jax.jit(f).lower(params)
+            # Only the model given the runner pipelines: the mesh alone changes nothing.
+            assert "collective_permute" not in jax.jit(f).lower(params).as_text()
+            lowered = jax.jit(value_and_grad(piped)).lower(params)
             value, grads = lowered.compile(FAST)(params)
         assert "collective_permute" in lowered.as_text()
         np.testing.assert_allclose(value, want_value, rtol=1e-5)
@@ -378,7 +384,7 @@ def test_pipeline_matches_scan_forward_and_gradients():
 
 
 def test_pipeline_runs_blocks_under_the_policy():
-    model, params = _tiny_vit("fp16", num_layers=2, microbatches=2)
+    model, params = _tiny_vit("fp16", num_layers=2, layer_runner=pipeline.GPipe(2, 2))
     with jax.set_mesh(parallel.make_mesh({"data": 1, "model": 1, "pipe": 2})):
         jaxpr = str(jax.make_jaxpr(lambda p: model.apply({"params": p}, jnp.ones((4, 8, 8, 1))))(
             params))

@@ -3,7 +3,8 @@
 The model takes no dtype arguments: :func:`jamp.apply_policy` decides the
 param/compute/output dtypes. Encoder blocks are stacked with ``nn.scan`` (one
 set of parameters with a leading ``layers`` axis) so the parallelism layer can
-shard and pipeline them; parameters and activations carry logical axis names
+shard them, and pipeline them through a ``layer_runner`` it hands in (the model
+never looks at the mesh). Parameters and activations carry logical axis names
 (``batch``, ``seq``, ``embed``, ``heads``, ``kv``, ``mlp``, ``vocab``,
 ``layers``) that ``jamp.parallel`` maps onto a device mesh.
 
@@ -30,7 +31,6 @@ import jax.numpy as jnp
 from jamp import attention
 from jamp.models.sizes import VIT_SIZES as VARIANTS
 from jamp.models.sizes import parse_variant
-from jamp.parallel import pipeline
 
 
 def _partitioned(init: Callable, axes: tuple[str | None, ...]) -> Callable:
@@ -141,15 +141,27 @@ class EncoderBlock(nn.Module):
         return x, None
 
 
+LayersFn = Callable[[Any, jax.Array, jax.Array | None], jax.Array]
+"""``apply_layers(layer_params, x, dropout_rng) -> y``: applies ``[n, ...]``-stacked blocks."""
+
+LayerRunner = Callable[[LayersFn, Any, jax.Array, jax.Array | None], jax.Array]
+"""``runner(apply_layers, layer_params, x, dropout_rng) -> y``: runs the scanned blocks.
+
+``layer_params`` are the ``[num_layers, ...]``-stacked block parameters; the runner
+applies them through ``apply_layers`` in whatever pieces it likes (e.g.
+``jamp.parallel.pipeline.GPipe``: pipeline stages over microbatches).
+"""
+
+
 class Encoder(nn.Module):
     """``num_layers`` encoder blocks, stacked with ``nn.scan`` or unrolled.
 
-    Under a mesh whose 'pipe' axis has ``S > 1`` devices (``jax.set_mesh``), the
-    scanned stack runs as a GPipe pipeline of ``S`` stages over
-    ``pipeline_microbatches`` microbatches (:mod:`jamp.parallel.pipeline`): each
-    stage applies the same ``nn.scan``-ed blocks to its ``num_layers / S`` layers,
-    inside whatever precision policy wraps the model. The parameters are the same
-    either way.
+    With a ``layer_runner`` (scanned blocks only) the stacked blocks are applied
+    by it, e.g. as GPipe pipeline stages (``jamp.parallel.pipeline.GPipe``, which
+    the trainer passes when its mesh has a 'pipe' axis), each stage running the
+    same ``nn.scan``-ed blocks on its share of the layers inside whatever
+    precision policy wraps the model. Initialisation always runs the plain scan:
+    the parameters are the same with or without a runner.
     """
 
     num_layers: int
@@ -159,7 +171,7 @@ class Encoder(nn.Module):
     attention_dropout_rate: float = 0.0
     scan_layers: bool = True
     remat: bool = False
-    pipeline_microbatches: int = 4
+    layer_runner: LayerRunner | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
@@ -169,41 +181,40 @@ class Encoder(nn.Module):
         kwargs = dict(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
                       dropout_rate=self.dropout_rate,
                       attention_dropout_rate=self.attention_dropout_rate)
-        if self.scan_layers:
-            stack = lambda length: nn.scan(
-                block_cls,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=nn.broadcast,
-                length=length,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )
-            stages = pipeline.num_stages()  # the mesh's 'pipe' axis
-            if stages > 1 and not self.is_initializing():
-                return self._pipelined(stack(self.num_layers // stages)(**kwargs, parent=None),
-                                       x, deterministic)
-            x, _ = stack(self.num_layers)(**kwargs, name="layers")(x, deterministic)
-        else:
+        if not self.scan_layers:
+            if self.layer_runner is not None:
+                raise ValueError("A layer_runner runs the scanned blocks: set scan_layers=True.")
             for i in range(self.num_layers):
                 x, _ = block_cls(**kwargs, name=f"layers_{i}")(x, deterministic)
-        return x
+            return x
+        stack = lambda length: nn.scan(
+            block_cls,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=nn.broadcast,
+            length=length,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        if self.layer_runner is None or self.is_initializing():
+            x, _ = stack(self.num_layers)(**kwargs, name="layers")(x, deterministic)
+            return x
+        return self._run_layers(lambda length: stack(length)(**kwargs, parent=None), x,
+                                deterministic)
 
-    def _pipelined(self, stage: nn.Module, x: jax.Array, deterministic: bool) -> jax.Array:
-        """Applies the stacked ``layers`` params as pipeline stages of ``stage`` (unbound)."""
-        layer_params = nn.unbox(self.variables["params"]["layers"])
+    def _run_layers(self, stack: Callable[[int], nn.Module], x: jax.Array,
+                    deterministic: bool) -> jax.Array:
+        """Hands the stacked ``layers`` params and a function applying them to the runner."""
         rng = None
         if not deterministic and (self.dropout_rate or self.attention_dropout_rate):
             rng = self.make_rng("dropout")
 
-        def stage_fn(params, h, microbatch):
-            rngs = {}
-            if rng is not None:
-                key = jax.random.fold_in(rng, jax.lax.axis_index(pipeline.PIPE))
-                rngs["dropout"] = jax.random.fold_in(key, microbatch)
-            return stage.apply({"params": params}, h, deterministic, rngs=rngs)[0]
+        def apply_layers(params, h, key):
+            length = jax.tree_util.tree_leaves(params)[0].shape[0]
+            rngs = {} if key is None else {"dropout": key}
+            return stack(length).apply({"params": params}, h, deterministic, rngs=rngs)[0]
 
-        return pipeline.pipelined(stage_fn, layer_params, x,
-                                  microbatches=self.pipeline_microbatches)
+        layer_params = nn.unbox(self.variables["params"]["layers"])
+        return self.layer_runner(apply_layers, layer_params, x, rng)
 
 
 class ViT(nn.Module):
@@ -216,8 +227,8 @@ class ViT(nn.Module):
       dropout_rate, attention_dropout_rate: dropout probabilities.
       scan_layers: stack the blocks with ``nn.scan`` (params get a ``layers`` axis).
       remat: rematerialise each block in the backward pass (saves activations).
-      pipeline_microbatches: microbatches of the GPipe schedule when the mesh has
-        a 'pipe' axis of size > 1 (see :class:`Encoder`).
+      layer_runner: runs the scanned encoder blocks at apply time (e.g. as a
+        pipeline, see :class:`Encoder`); None applies them with the plain scan.
     """
 
     num_classes: int
@@ -230,7 +241,7 @@ class ViT(nn.Module):
     attention_dropout_rate: float = 0.0
     scan_layers: bool = True
     remat: bool = False
-    pipeline_microbatches: int = 4
+    layer_runner: LayerRunner | None = None
 
     @nn.compact
     def __call__(self, images: jax.Array, train: bool = False) -> jax.Array:
@@ -263,7 +274,7 @@ class ViT(nn.Module):
         x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
         x = Encoder(self.num_layers, self.num_heads, self.mlp_dim, self.dropout_rate,
                     self.attention_dropout_rate, self.scan_layers, self.remat,
-                    self.pipeline_microbatches, name="encoder")(x, not train)
+                    self.layer_runner, name="encoder")(x, not train)
         x = nn.LayerNorm(scale_init=_partitioned(nn.initializers.ones, ("embed",)),
                          bias_init=_partitioned(nn.initializers.zeros, ("embed",)),
                          name="encoder_norm")(x[:, 0])

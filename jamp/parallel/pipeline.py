@@ -18,6 +18,10 @@ rules (the trainer's step makes 'data' manual too, see :mod:`jamp.parallel.step`
 The last stage's outputs reach every stage through one ``psum``, so whatever
 follows the pipeline (the ViT's head) runs replicated over 'pipe'.
 
+A model does not pipeline by itself: :class:`GPipe` is a layer runner that the
+trainer hands to the ViT (``vit.create(..., layer_runner=GPipe(S, M))``) when
+its mesh has ``S > 1`` pipeline stages.
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from jamp.parallel import make_mesh, pipeline
@@ -25,7 +29,7 @@ Example:
   >>> weights = jnp.arange(1.0, 5.0)                     # 4 "layers": x -> x * w
   >>> stage = lambda w, x, mb: x * jnp.prod(w)           # a stage = its 2 layers
   >>> with jax.set_mesh(mesh):
-  ...     y = pipeline.pipelined(stage, weights, jnp.ones((8, 3)), microbatches=4)
+  ...     y = pipeline.pipelined(stage, weights, jnp.ones((8, 3)), stages=2, microbatches=4)
   >>> y[0].tolist()
   [24.0, 24.0, 24.0]
   >>> pipeline.bubble_fraction(stages=2, microbatches=4)
@@ -34,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -57,24 +62,6 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
       0.1875
     """
     return (stages - 1) / (microbatches + stages - 1)
-
-
-def num_stages(axis_name: str = PIPE) -> int:
-    """Pipeline stages in the current mesh (``jax.set_mesh``): the size of ``axis_name``.
-
-    1 outside a mesh or when the mesh has no such axis.
-
-    Example:
-      >>> import jax
-      >>> from jamp.parallel import make_mesh, pipeline
-      >>> with jax.set_mesh(make_mesh({"data": 1, "model": 1, "pipe": 2})):
-      ...     pipeline.num_stages()
-      2
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or axis_name not in mesh.axis_names:
-        return 1
-    return mesh.shape[axis_name]
 
 
 def _is_manual(axis_name: str) -> bool:
@@ -132,14 +119,15 @@ def gpipe(stage_fn: StageFn, stage_params: Any, inputs: jax.Array, *,
     return jax.lax.psum(last, axis_name)
 
 
-def pipelined(stage_fn: StageFn, layer_params: Any, x: jax.Array, *, microbatches: int,
-              axis_name: str = PIPE) -> jax.Array:
+def pipelined(stage_fn: StageFn, layer_params: Any, x: jax.Array, *, stages: int,
+              microbatches: int, axis_name: str = PIPE) -> jax.Array:
     """Runs ``[L, ...]``-stacked layers as a GPipe pipeline over ``axis_name`` of the mesh.
 
     ``x`` (``[B, ...]``) is split into ``microbatches`` interleaved microbatches
     (example ``i`` goes to microbatch ``i % M``, so a batch sharded over 'data'
     keeps every microbatch sharded over 'data' too); the ``L`` layers into
-    ``S`` stages of ``L / S`` consecutive layers. Must run under ``jax.set_mesh``.
+    ``S`` stages of ``L / S`` consecutive layers. Must run under ``jax.set_mesh``
+    with a mesh whose ``axis_name`` has ``S`` devices.
     Inside a ``jax.shard_map`` that is already manual over ``axis_name``,
     ``layer_params`` are this stage's ``[L / S, ...]`` slice and the schedule
     runs in place (JAX cannot differentiate a ``shard_map`` nested in one over
@@ -151,17 +139,24 @@ def pipelined(stage_fn: StageFn, layer_params: Any, x: jax.Array, *, microbatche
         ``L / S`` layers whose parameters have a leading ``L / S`` axis.
       layer_params: pytree of ``[L, ...]`` arrays (``[L / S, ...]`` when manual).
       x: ``[B, ...]`` activations, ``B`` divisible by ``microbatches``.
+      stages: ``S``, the number of stages.
       microbatches: ``M``, the number of microbatches.
 
     Returns:
       ``[B, ...]``, what applying all ``L`` layers in order to ``x`` gives.
 
     Raises:
-      ValueError: ``B`` not divisible by ``M`` or ``L`` not divisible by ``S``.
+      ValueError: the mesh's ``axis_name`` is not ``S`` devices, ``B`` not
+        divisible by ``M`` or ``L`` not divisible by ``S``.
 
     Example: see the module docstring.
     """
-    stages = num_stages(axis_name)
+    mesh = jax.sharding.get_abstract_mesh()
+    size = 1 if mesh.empty or axis_name not in mesh.axis_names else mesh.shape[axis_name]
+    if size != stages:
+        raise ValueError(
+            f"A {stages}-stage pipeline runs under a mesh (jax.set_mesh) whose {axis_name!r} "
+            f"axis has {stages} devices; this one has {size}.")
     batch = x.shape[0]
     if microbatches < 1 or batch % microbatches:
         raise ValueError(
@@ -183,3 +178,59 @@ def pipelined(stage_fn: StageFn, layer_params: Any, x: jax.Array, *, microbatche
             in_specs=(P(axis_name), P()), out_specs=P(), axis_names={axis_name},
         )(layer_params, micro)
     return jnp.swapaxes(out, 0, 1).reshape(x.shape)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class GPipe:
+    """A layer runner that runs a model's stacked layers as a GPipe pipeline.
+
+    Hand it to the ViT (``vit.create(..., layer_runner=GPipe(S, M))``, see
+    :class:`jamp.models.vit.Encoder`) and apply the model under a mesh whose
+    ``axis_name`` axis has ``stages`` devices. Stage ``s`` folds ``s`` and the
+    microbatch index into the dropout key, so every microbatch of every stage
+    draws its own mask.
+
+    Attributes:
+      stages: ``S``, the size of the mesh's ``axis_name`` axis.
+      microbatches: ``M``, microbatches per (data-shard) batch.
+      axis_name: the mesh axis the stages are laid out on.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jamp.parallel import make_mesh
+      >>> from jamp.parallel.pipeline import GPipe
+      >>> runner = GPipe(stages=2, microbatches=4)
+      >>> apply_layers = lambda w, x, rng: x * jnp.prod(w)   # "layers" x -> x * w
+      >>> with jax.set_mesh(make_mesh({"data": 1, "model": 1, "pipe": 2})):
+      ...     y = runner(apply_layers, jnp.arange(1.0, 5.0), jnp.ones((8, 3)), None)
+      >>> float(y[0, 0]), runner.bubble_fraction
+      (24.0, 0.2)
+    """
+
+    stages: int
+    microbatches: int
+    axis_name: str = PIPE
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The idle fraction of the schedule, :func:`bubble_fraction`."""
+        return bubble_fraction(self.stages, self.microbatches)
+
+    def __call__(self, apply_layers: Callable[[Any, jax.Array, jax.Array | None], jax.Array],
+                 layer_params: Any, x: jax.Array, rng: jax.Array | None) -> jax.Array:
+        """Applies the ``[L, ...]``-stacked ``layer_params`` to ``x`` through the schedule.
+
+        ``apply_layers(params, x, dropout_rng)`` applies a ``[n, ...]`` stack of the
+        layers (a stage's share); ``rng`` is the dropout key, or None.
+        """
+
+        def stage_fn(params, h, microbatch):
+            key = None
+            if rng is not None:
+                key = jax.random.fold_in(rng, jax.lax.axis_index(self.axis_name))
+                key = jax.random.fold_in(key, microbatch)
+            return apply_layers(params, h, key)
+
+        return pipelined(stage_fn, layer_params, x, stages=self.stages,
+                         microbatches=self.microbatches, axis_name=self.axis_name)
