@@ -10,6 +10,7 @@ Example:
   'p=full,c=bf16,o=full'
 """
 
+from jamp.autocast import autocast
 from jamp.flax import PolicyModule, apply_policy, policy_scope, to_mixed_precision
 from jamp.loss_scale import (
     DynamicLossScale,
@@ -62,6 +63,7 @@ __all__ = [
     "Policy",
     "PolicyModule",
     "apply_policy",
+    "autocast",
     "float32_overrides",
     "get_policy",
     "master_params",

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def softmax_fp32(x: jax.Array, axis: int = -1) -> jax.Array:
+def softmax_fp32(x: jax.Array, axis: int | tuple[int, ...] = -1) -> jax.Array:
     """Softmax computed in float32, returned (and saved for backward) in ``x.dtype``.
 
     Args:
       x: logits, any floating dtype.
-      axis: the axis to normalise over.
+      axis: the axis (or tuple of axes) to normalise over.
 
     Returns:
       Probabilities in ``x.dtype``.
@@ -59,6 +59,33 @@ def _softmax_bwd(axis, y, g):
 
 
 softmax_fp32.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def log_softmax_fp32(x: jax.Array, axis: int | tuple[int, ...] = -1) -> jax.Array:
+    """Log-softmax computed in float32, returned (and saved for backward) in ``x.dtype``.
+
+    Example:
+      >>> import jax.numpy as jnp, jamp.attention
+      >>> y = jamp.attention.log_softmax_fp32(jnp.zeros(2, jnp.float16))
+      >>> y.dtype, round(float(y[0]), 3)
+      (dtype('float16'), -0.693)
+    """
+    return jax.nn.log_softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype)
+
+
+def _log_softmax_fwd(x, axis):
+    y = log_softmax_fp32(x, axis)
+    return y, y
+
+
+def _log_softmax_bwd(axis, y, g):
+    g32 = g.astype(jnp.float32)
+    dx = g32 - jnp.exp(y.astype(jnp.float32)) * jnp.sum(g32, axis=axis, keepdims=True)
+    return (dx.astype(y.dtype),)
+
+
+log_softmax_fp32.defvjp(_log_softmax_fwd, _log_softmax_bwd)
 
 
 def dot_product_attention(

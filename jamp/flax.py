@@ -37,67 +37,54 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jamp import attention
-from jamp.policy import MixedPrecision, Policy, get_policy, mixed_precision
+from jamp.autocast import Rules, cast_floating, rewrite
+from jamp.policy import MixedPrecision, Policy, PolicyLike, to_mixed_precision
 
-PolicyLike = str | Policy | MixedPrecision
-
-
-def to_mixed_precision(
-    policy_or_mode: PolicyLike, overrides: Mapping[type, Any] | None = None
-) -> MixedPrecision:
-    """Normalises a mode name, policy string, ``Policy`` or ``MixedPrecision``.
-
-    A mode name ("fp16", "O2", ...) gives that mode with its default overrides.
-    A policy (``Policy`` or jmp-style string such as ``"p=f32,c=f16,o=f32"``)
-    gives a recipe with that policy and no overrides. ``overrides``, when given,
-    maps module classes to policies (or policy strings) and replaces the
-    recipe's overrides.
-
-    Example:
-      >>> import jamp
-      >>> jamp.to_mixed_precision("p=f32,c=bf16,o=f32").overrides
-      ()
-    """
-    if isinstance(policy_or_mode, MixedPrecision):
-        mp = policy_or_mode
-    elif isinstance(policy_or_mode, Policy):
-        mp = MixedPrecision(name="custom", policy=policy_or_mode)
-    elif isinstance(policy_or_mode, str):
-        try:
-            mp = mixed_precision(policy_or_mode)
-        except ValueError as mode_error:
-            try:
-                mp = MixedPrecision(name="custom", policy=get_policy(policy_or_mode))
-            except ValueError as policy_error:
-                raise ValueError(
-                    f"{policy_or_mode!r} is neither a mode nor a policy.\n"
-                    f"As a mode: {mode_error}\nAs a policy: {policy_error}"
-                ) from None
-    else:
-        raise TypeError(
-            "Expected a mode name, a policy string, a jamp.Policy or a jamp.MixedPrecision, "
-            f"got {type(policy_or_mode).__name__}."
-        )
-    if overrides is not None:
-        mp = dataclasses.replace(mp, overrides=tuple(overrides.items()))
-    return mp
+_cast_floating = cast_floating
 
 
-def _cast_floating(tree: Any, dtype: Any) -> Any:
-    def cast(x):
-        if isinstance(x, jax.Array | jnp.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
-            return x.astype(dtype)
-        return x
+def _floating(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
 
-    return jax.tree_util.tree_map(cast, tree)
+
+def _is_float_dtype(arg: Any) -> bool:
+    if not (isinstance(arg, np.dtype) or (isinstance(arg, type) and hasattr(arg, "dtype"))):
+        return False
+    return jnp.issubdtype(jnp.dtype(arg), jnp.floating)
+
+
+def _draw_in_float32(init_fn: Callable[..., Any], param_dtype: Any) -> Callable[..., Any]:
+    """``init_fn`` with floating dtype arguments replaced by float32, rounded to ``param_dtype``."""
+
+    def init(key, *args, **kwargs):
+        args = [jnp.float32 if _is_float_dtype(a) else a for a in args]
+        kwargs = {k: jnp.float32 if _is_float_dtype(a) else a for k, a in kwargs.items()}
+        return _cast_floating(init_fn(key, *args, **kwargs), param_dtype)
+
+    return init
+
+
+def _policy_param(module: nn.Module, policy: Policy) -> Callable[..., Any]:
+    """``module.param`` under ``policy``: drawn in float32, stored in the param dtype,
+    read in the compute dtype."""
+
+    def param(name: str, init_fn: Callable[..., Any], *init_args, unbox: bool = True,
+              **init_kwargs):
+        value = nn.Module.param(module, name, _draw_in_float32(init_fn, policy.param_dtype),
+                                *init_args, unbox=unbox, **init_kwargs)
+        return _cast_floating(value, policy.compute_dtype)
+
+    return param
 
 
 def _set_field(module: nn.Module, name: str, value: Any) -> None:
@@ -107,29 +94,64 @@ def _set_field(module: nn.Module, name: str, value: Any) -> None:
         object.__setattr__(module, name, value)
 
 
+def _keep_carry_dtype(out: Any, args: tuple) -> Any:
+    """Returns ``out`` with a ``(carry, ...)`` result cast back to the dtypes of ``args[0]``.
+
+    Flax's convention for RNN cells and ``nn.scan``-ed methods: ``f(carry, x) ->
+    (carry, y)``. Casting the inputs to the compute dtype must not change the
+    carry's type, or the scan around it fails ("carry input and carry output must
+    have equal types").
+    """
+    if not (args and isinstance(out, tuple) and out):
+        return out
+    old, new = args[0], out[0]
+    old_leaves, old_def = jax.tree_util.tree_flatten(old)
+    new_leaves, new_def = jax.tree_util.tree_flatten(new)
+    if not old_leaves or old_def != new_def or not all(
+            _floating(a) and _floating(b) and a.shape == b.shape
+            for a, b in zip(old_leaves, new_leaves, strict=True)):
+        return out
+    carry = jax.tree_util.tree_map(lambda b, a: b.astype(a.dtype), new, old)
+    return (carry, *out[1:])
+
+
+def _configure(module: nn.Module, mp: MixedPrecision, policy: Policy) -> None:
+    """Sets the policy's dtype fields, attention function and parameter hook on ``module``."""
+    _set_field(module, "dtype", policy.compute_dtype)
+    _set_field(module, "param_dtype", policy.param_dtype)
+    if (
+        mp.softmax_fp32
+        and jnp.dtype(policy.compute_dtype) != jnp.float32
+        and getattr(module, "attention_fn", None) is nn.dot_product_attention
+    ):
+        _set_field(module, "attention_fn", attention.dot_product_attention)
+    _set_field(module, "softmax_fp32", mp.softmax_fp32)
+    # An instance attribute shadows Module.param for this bound clone only.
+    object.__setattr__(module, "param", _policy_param(module, policy))
+
+
+def _softmax_rules(mp: MixedPrecision) -> Rules | None:
+    """The rules of a policy-wrapped ``apply``: only softmax, and only where it is float32."""
+    rules = Rules.for_recipe(mp)
+    if not rules.softmax:
+        return None
+    return dataclasses.replace(rules, cast_dots=False, float32_ops=False)
+
+
 def _make_interceptor(mp: MixedPrecision):
     overridden = tuple(cls for cls, _ in mp.overrides)
 
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
         policy = mp.policy_for(type(module))
-        _set_field(module, "dtype", policy.compute_dtype)
-        _set_field(module, "param_dtype", policy.param_dtype)
-        if (
-            mp.softmax_fp32
-            and jnp.dtype(policy.compute_dtype) != jnp.float32
-            and getattr(module, "attention_fn", None) is nn.dot_product_attention
-        ):
-            _set_field(module, "attention_fn", attention.dot_product_attention)
-        _set_field(module, "softmax_fp32", mp.softmax_fp32)
+        _configure(module, mp, policy)
         if context.method_name == "setup":
             return next_fun(*args, **kwargs)
-        args = _cast_floating(args, policy.compute_dtype)
-        kwargs = _cast_floating(kwargs, policy.compute_dtype)
-        out = next_fun(*args, **kwargs)
+        out = next_fun(*_cast_floating(args, policy.compute_dtype),
+                       **_cast_floating(kwargs, policy.compute_dtype))
         if overridden and isinstance(module, overridden):
             out = _cast_floating(out, policy.output_dtype)
-        return out
+        return _keep_carry_dtype(out, args)
 
     return interceptor
 
@@ -164,11 +186,28 @@ def policy_scope(
         yield mp
 
 
+def _inner_method(inner: nn.Module, method: Callable[..., Any] | str | None) -> Callable:
+    """The unbound function ``method`` names on the wrapped module (``__call__`` for None)."""
+    if method is None:
+        method = "__call__"
+    if isinstance(method, str):
+        fn = getattr(type(inner), method, None)
+        if not callable(fn):
+            raise AttributeError(
+                f"apply(..., method={method!r}): {type(inner).__name__} has no method "
+                f"{method!r}.")
+        return fn
+    return getattr(method, "__func__", method)  # a method bound to a module: its function
+
+
 class PolicyModule(nn.Module):
     """A Flax module run under a mixed-precision recipe (see :func:`apply_policy`).
 
     Shares its scope with the wrapped module, so the parameter tree is exactly
-    the wrapped module's.
+    the wrapped module's. ``apply``/``init`` accept ``method=`` naming a method
+    of the wrapped module (a string, or the wrapped class's function, or any
+    function taking the wrapped module first); its output is cast like
+    ``__call__``'s.
 
     Attributes:
       inner: the wrapped module.
@@ -182,9 +221,39 @@ class PolicyModule(nn.Module):
         nn.share_scope(self, self.inner)
 
     def __call__(self, *args, **kwargs):
+        return self.run(None, *args, **kwargs)
+
+    def run(self, method: Callable[..., Any] | str | None, *args, **kwargs):
+        """Runs ``method`` of the wrapped module under the policy; output in the output dtype."""
+        fn = _inner_method(self.inner, method)
         with nn.intercept_methods(_make_interceptor(self.precision)):
-            out = self.inner(*args, **kwargs)
+            out = fn(self.inner, *args, **kwargs)
         return _cast_floating(out, self.precision.policy.output_dtype)
+
+    def _method(self, method: Any) -> Callable[..., Any]:
+        if method is None or getattr(method, "__func__", method) in (
+                PolicyModule.__call__, type(self).__call__):
+            return type(self).__call__
+        return lambda module, *args, **kwargs: module.run(method, *args, **kwargs)
+
+    def apply(self, variables, *args, method=None, **kwargs):
+        """``nn.Module.apply``, with ``method`` taken from the wrapped module.
+
+        In modes whose softmax runs in float32, the whole application is
+        rewritten by :func:`jamp.autocast.rewrite` so that every softmax and
+        log-softmax of half-precision logits runs in float32, wherever it is
+        called from (``nn.softmax``, ``jax.nn.softmax``,
+        ``nn.dot_product_attention_weights``...).
+        """
+        apply = functools.partial(super().apply, method=self._method(method))
+        rules = _softmax_rules(self.precision)
+        if rules is not None:
+            apply = rewrite(apply, rules)
+        return apply(variables, *args, **kwargs)
+
+    def init_with_output(self, rngs, *args, method=None, **kwargs):
+        """``nn.Module.init_with_output``, with ``method`` taken from the wrapped module."""
+        return super().init_with_output(rngs, *args, method=self._method(method), **kwargs)
 
 
 def apply_policy(

@@ -309,3 +309,47 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
 
 def _scaling_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(LossScaleConfig) if f.name != "kind"]
+
+
+PolicyLike = str | Policy | MixedPrecision
+
+
+def to_mixed_precision(
+    policy_or_mode: PolicyLike, overrides: Mapping[type, Any] | None = None
+) -> MixedPrecision:
+    """Normalises a mode name, policy string, ``Policy`` or ``MixedPrecision``.
+
+    A mode name ("fp16", "O2", ...) gives that mode with its default overrides.
+    A policy (``Policy`` or jmp-style string such as ``"p=f32,c=f16,o=f32"``)
+    gives a recipe with that policy and no overrides. ``overrides``, when given,
+    maps module classes to policies (or policy strings) and replaces the
+    recipe's overrides.
+
+    Example:
+      >>> import jamp
+      >>> jamp.to_mixed_precision("p=f32,c=bf16,o=f32").overrides
+      ()
+    """
+    if isinstance(policy_or_mode, MixedPrecision):
+        mp = policy_or_mode
+    elif isinstance(policy_or_mode, Policy):
+        mp = MixedPrecision(name="custom", policy=policy_or_mode)
+    elif isinstance(policy_or_mode, str):
+        try:
+            mp = mixed_precision(policy_or_mode)
+        except ValueError as mode_error:
+            try:
+                mp = MixedPrecision(name="custom", policy=get_policy(policy_or_mode))
+            except ValueError as policy_error:
+                raise ValueError(
+                    f"{policy_or_mode!r} is neither a mode nor a policy.\n"
+                    f"As a mode: {mode_error}\nAs a policy: {policy_error}"
+                ) from None
+    else:
+        raise TypeError(
+            "Expected a mode name, a policy string, a jamp.Policy or a jamp.MixedPrecision, "
+            f"got {type(policy_or_mode).__name__}."
+        )
+    if overrides is not None:
+        mp = dataclasses.replace(mp, overrides=tuple(overrides.items()))
+    return mp
