@@ -45,7 +45,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+import jamp.nnx as jamp_nnx
 from jamp import attention
 from jamp.autocast import Rules, cast_floating, rewrite
 from jamp.policy import MixedPrecision, Policy, PolicyLike, to_mixed_precision
@@ -257,10 +259,10 @@ class PolicyModule(nn.Module):
 
 
 def apply_policy(
-    module: nn.Module,
+    module: nn.Module | nnx.Module,
     policy_or_mode: PolicyLike,
     overrides: Mapping[type, Any] | None = None,
-) -> PolicyModule:
+) -> PolicyModule | nnx.Module:
     """Returns ``module`` wrapped to run under a precision policy.
 
     The result is a normal Flax module: use ``init``/``apply`` as usual. The
@@ -270,8 +272,12 @@ def apply_policy(
     compute dtype, and attention softmax runs in float32), and the top-level
     output is in the output dtype.
 
+    An ``nnx.Module`` is put under the policy in place and returned (see
+    :mod:`jamp.nnx`).
+
     Args:
-      module: any ``flax.linen.Module``, with or without dtype arguments.
+      module: any ``flax.linen.Module``, with or without dtype arguments, or
+        any ``flax.nnx.Module``.
       policy_or_mode: a mode name (``"fp16"``, ``"bf16"``, ``"O2"``...), a
         jmp-style policy string, a ``jamp.Policy`` or a ``jamp.MixedPrecision``.
       overrides: optional ``{module class: policy}``; replaces the mode's
@@ -287,9 +293,12 @@ def apply_policy(
       >>> v["params"]["kernel"].dtype
       dtype(bfloat16)
     """
+    if isinstance(module, nnx.Module):  # NNX: the same policy, in place (jamp.nnx)
+        return jamp_nnx.apply_policy(module, policy_or_mode, overrides)
     if not isinstance(module, nn.Module):
         raise TypeError(
-            f"apply_policy expects a flax.linen.Module, got {type(module).__name__}. "
+            f"apply_policy expects a flax.linen.Module or flax.nnx.Module, got "
+            f"{type(module).__name__}. "
             "For a plain function, cast with jamp.get_policy(...).cast_to_compute instead."
         )
     if module.scope is not None:

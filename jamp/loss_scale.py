@@ -606,7 +606,23 @@ class LossScaleConfig:
 # --------------------------------------------------------------------------- helpers
 
 
+def _from_nnx(opt_state: Any) -> Any:
+    """An ``nnx.Optimizer``, its ``opt_state`` or its ``nnx.state``, as a plain optax state."""
+    from flax import nnx  # noqa: PLC0415  (only NNX users pay for it)
+
+    if isinstance(opt_state, nnx.Optimizer):
+        opt_state = opt_state.opt_state
+    if not isinstance(opt_state, nnx.State):
+        return nnx.as_pure(opt_state)
+    state = nnx.as_pure(opt_state)  # nnx.state(optimizer): the NamedTuple became a mapping
+    state = state.get("opt_state", state)
+    if set(LossScaleState._fields) <= set(state):
+        return LossScaleState(**{k: state[k] for k in LossScaleState._fields})
+    return state
+
+
 def _find_state(opt_state: Any) -> LossScaleState:
+    opt_state = _from_nnx(opt_state)
     found = [state for _, state in
              optax.tree_utils.tree_get_all_with_path(opt_state, "LossScaleState")]
     if not found:

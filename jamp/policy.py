@@ -27,6 +27,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 import jmp
+from flax import nnx
 
 from jamp.loss_scale import LossScaleConfig
 
@@ -111,7 +112,8 @@ def get_policy(spec: str | Policy) -> Policy:
 
 
 def _norm_classes() -> tuple[type, ...]:
-    return (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm)
+    return (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm,
+            nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.RMSNorm)
 
 
 def float32_overrides(policy: Policy) -> Overrides:
@@ -122,7 +124,7 @@ def float32_overrides(policy: Policy) -> Overrides:
 
     Returns:
       A tuple of ``(module class, Policy)`` pairs for LayerNorm, BatchNorm,
-      GroupNorm and RMSNorm.
+      GroupNorm and RMSNorm, linen's and NNX's.
 
     Example:
       >>> import jamp
@@ -176,9 +178,10 @@ class MixedPrecision:
             object.__setattr__(self, "overrides", tuple(self.overrides.items()))
         overrides = tuple((cls, get_policy(p)) for cls, p in self.overrides)
         for cls, _ in overrides:
-            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module | nnx.Module)):
                 raise ValueError(
-                    f"overrides keys must be flax.linen.Module subclasses, got {cls!r}."
+                    f"overrides keys must be flax.linen.Module or flax.nnx.Module subclasses, "
+                    f"got {cls!r}."
                 )
         object.__setattr__(self, "overrides", overrides)
 

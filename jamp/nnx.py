@@ -1,0 +1,256 @@
+"""Applying a precision policy to Flax NNX modules.
+
+NNX layers are mutable objects with per-layer ``dtype``/``param_dtype`` knobs
+but no policy mechanism. :func:`apply_policy` (reached through
+``jamp.apply_policy``, which takes linen and NNX modules) sets them all at a
+distance, in place:
+
+- every floating ``nnx.Param`` is rounded to the param dtype of its module's
+  policy (models are created in float32 as usual, so every mode starts from the
+  same weights, rounded); every layer with ``dtype``/``param_dtype`` attributes
+  (Linear, Conv, Embed, MultiHeadAttention, the norms...) gets the policy's;
+- each call of the model casts floating inputs to the compute dtype, reads every
+  ``nnx.Param`` in its module's compute dtype (so custom layers doing
+  ``x @ self.w`` compute in it too) and casts the output to the output dtype;
+- modules of an overridden class (by default ``nnx.LayerNorm``,
+  ``nnx.BatchNorm``, ``nnx.GroupNorm``, ``nnx.RMSNorm``) keep float32
+  parameters and compute in float32, returning the model's compute dtype;
+- in modes whose softmax runs in float32, every softmax and log-softmax of
+  half-precision logits (``nnx.MultiHeadAttention``, custom attention calling
+  ``jax.nn.softmax``) runs in float32 keeping half-precision residuals
+  (:func:`jamp.autocast.rewrite`).
+
+The policy lives in the model's class (a subclass of it, named alike), so it
+survives ``nnx.split``/``nnx.merge`` and works under ``nnx.jit``,
+``nnx.grad``/``nnx.value_and_grad``, ``nnx.scan``/``nnx.vmap``/``nnx.remat``;
+BatchNorm statistics and ``nnx.Rngs`` (held by the model or passed to the call)
+advance as without a policy. Only ``__call__`` of the model runs under the
+policy: call other methods through it.
+
+A model created directly in half precision (``param_dtype=jnp.float16``) has
+weights drawn in half precision: they are converted as they are (widened to
+float32 in ``fp16``/``bf16``, kept in ``fp16_naive``), so they differ from the
+rounded float32 weights of the same model created in float32.
+
+Example:
+  >>> import jax.numpy as jnp, jamp
+  >>> from flax import nnx
+  >>> model = jamp.apply_policy(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), "fp16_naive")
+  >>> model.kernel.dtype, model(jnp.ones((2, 3))).dtype
+  (dtype('float16'), dtype('float32'))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jamp import attention
+from jamp.autocast import Rules, rewrite
+from jamp.policy import MixedPrecision, PolicyLike, to_mixed_precision
+
+M = TypeVar("M", bound=nnx.Module)
+
+NORMS: tuple[type, ...] = (nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.RMSNorm)
+"""Flax's NNX norms: statistics and normalisation always run in at least float32."""
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _cast(tree: Any, dtype: Any) -> Any:
+    """Casts floating arrays of ``tree`` to ``dtype``; NNX objects (Rngs...) pass untouched."""
+    cast = lambda x: x.astype(dtype) if _floating(x) and x.dtype != dtype else x
+    return jax.tree_util.tree_map(cast, tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+
+
+def _modules(module: nnx.Module) -> dict[tuple, nnx.Module]:
+    return {path: node for path, node in nnx.iter_graph(module) if isinstance(node, nnx.Module)}
+
+
+def _params(module: nnx.Module) -> Iterator[tuple[nnx.Module, nnx.Param]]:
+    """``(owner, param)`` for every floating ``nnx.Param``; the owner is its nearest module."""
+    modules = _modules(module)
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Param) and _floating(node.get_value()):
+            owner = next(modules[path[:i]] for i in reversed(range(len(path)))
+                         if path[:i] in modules)
+            yield owner, node
+
+
+def _check(module: nnx.Module, mp: MixedPrecision) -> None:
+    """Raises for an already-policied module or an override NNX layers cannot honour."""
+    for node in _modules(module).values():
+        done = getattr(type(node), "_jamp_precision", None)
+        if done is not None:
+            raise ValueError(
+                f"{type(node).__name__} already runs under the jamp policy {done.name!r} "
+                f"({done.policy}); apply_policy once, to a model created without one.")
+        policy = mp.policy_for(type(node))
+        if (policy is not mp.policy and not isinstance(node, NORMS)
+                and jnp.dtype(policy.output_dtype) != jnp.dtype(policy.compute_dtype)):
+            raise ValueError(
+                f"Cannot apply the override {policy} to {type(node).__name__}: an NNX layer "
+                "returns its compute dtype, so its override needs output == compute (e.g. "
+                "'f32'); only the norms compute in float32 and return another dtype.")
+
+
+def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                          float32_softmax: bool = True, module: nnx.Module | None = None,
+                          is_causal: bool = False, mask: jax.Array | None = None,
+                          **kwargs: Any) -> jax.Array:
+    """``nnx.MultiHeadAttention``'s ``attention_fn`` with both matmuls in ``dtype``.
+
+    With ``float32_softmax`` the softmax runs in float32 and saves half-precision
+    residuals (:func:`jamp.attention.dot_product_attention`); without, it runs in
+    ``dtype``. Unlike ``nnx.dot_product_attention`` (``jax.nn.dot_product_attention``
+    on XLA) no matmul accumulates into float32 operands of the backward pass.
+    :func:`apply_policy` installs it in half-precision modes.
+
+    Example:
+      >>> import jax.numpy as jnp, jamp
+      >>> q = jnp.ones((1, 3, 2, 4), jnp.float16)
+      >>> jamp.nnx.dot_product_attention(q, q, q, is_causal=True).dtype
+      dtype('float16')
+    """
+    del module  # sow_weights is not supported
+    if is_causal:
+        causal = nnx.make_causal_mask(jnp.ones(query.shape[:-2]))
+        mask = causal if mask is None else nnx.combine_masks(mask, causal)
+    if float32_softmax:
+        return attention.dot_product_attention(query, key, value, mask=mask, **kwargs)
+    weights = nn.dot_product_attention_weights(query, key, mask=mask, **kwargs)
+    return jnp.einsum("...hqk,...khd->...qhd", weights, value.astype(weights.dtype),
+                      precision=kwargs.get("precision"))
+
+
+def _configure(module: nnx.Module, mp: MixedPrecision) -> None:
+    """Sets layers' dtype attributes and rounds every Param to its param dtype (in place)."""
+    for node in _modules(module).values():
+        policy = mp.policy_for(type(node))
+        if (isinstance(node, nnx.MultiHeadAttention)
+                and jnp.dtype(policy.compute_dtype) != jnp.float32
+                and node.attention_fn is nnx.dot_product_attention):
+            node.attention_fn = functools.partial(
+                dot_product_attention, float32_softmax=_rules(mp) is not None)
+        if "dtype" in vars(node):
+            # Flax's norms compute in >= float32 whatever their dtype, which is the output's.
+            node.dtype = policy.output_dtype if isinstance(node, NORMS) else policy.compute_dtype
+        if "param_dtype" in vars(node):
+            node.param_dtype = policy.param_dtype
+    for owner, param in _params(module):
+        param.set_value(param.get_value().astype(mp.policy_for(type(owner)).param_dtype))
+
+
+def _read_in_compute_dtype(module: nnx.Module, mp: MixedPrecision) -> None:
+    for owner, param in list(_params(module)):
+        dtype = jnp.dtype(mp.policy_for(type(owner)).compute_dtype)
+        if param.get_value().dtype != dtype:
+            param.set_value(param.get_value().astype(dtype))
+
+
+def _rules(mp: MixedPrecision) -> Rules | None:
+    """Only the float32 softmax: dots follow the layers' dtypes and the Params' reads."""
+    rules = Rules.for_recipe(mp)
+    if not rules.softmax:
+        return None
+    return dataclasses.replace(rules, cast_dots=False, float32_ops=False)
+
+
+def _run(module: nnx.Module, call: Callable[..., Any], mp: MixedPrecision,
+         args: tuple, kwargs: dict) -> Any:
+    """``call(module, *args, **kwargs)`` under ``mp``; state changes land in ``module``/args."""
+    leaves, treedef = jax.tree_util.tree_flatten(
+        _cast((args, kwargs), mp.policy.compute_dtype),
+        is_leaf=lambda x: isinstance(x, nnx.Pytree))
+    is_node = [isinstance(x, nnx.Pytree) for x in leaves]
+    nodes = [module, *(x for x, n in zip(leaves, is_node, strict=True) if n)]
+    graphdef, state = nnx.split(nodes)
+    values = [x for x, n in zip(leaves, is_node, strict=True) if not n]
+
+    def pure(state, values):
+        inner, *inner_nodes = nnx.merge(graphdef, state)
+        _read_in_compute_dtype(inner, mp)
+        node_it, value_it = iter(inner_nodes), iter(values)
+        a, k = treedef.unflatten([next(node_it) if n else next(value_it) for n in is_node])
+        out = call(inner, *a, **k)
+        return out, nnx.state([inner, *inner_nodes], nnx.Not(nnx.Param))
+
+    rules = _rules(mp)
+    out, new_state = (pure if rules is None else rewrite(pure, rules))(state, values)
+    nnx.update(nodes, new_state)
+    return _cast(out, mp.policy.output_dtype)
+
+
+@functools.cache
+def _policy_class(cls: type, mp: MixedPrecision) -> type:
+    """A subclass of ``cls`` whose ``__call__`` runs under ``mp`` (cached: one per pair)."""
+
+    def __call__(self, *args, **kwargs):  # noqa: N807
+        return _run(self, cls.__call__, mp, args, kwargs)
+
+    def body(ns: dict) -> None:
+        ns.update(__call__=__call__, __module__=cls.__module__, __qualname__=cls.__qualname__,
+                  __doc__=cls.__doc__, _jamp_precision=mp)
+
+    return types.new_class(cls.__name__, (cls,), {}, body)
+
+
+def policy_of(module: nnx.Module) -> MixedPrecision | None:
+    """The recipe an NNX model runs under (``None`` if :func:`apply_policy` was not applied).
+
+    Example:
+      >>> import jamp
+      >>> from flax import nnx
+      >>> jamp.nnx.policy_of(jamp.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "bf16")).name
+      'bf16'
+    """
+    return getattr(type(module), "_jamp_precision", None)
+
+
+def apply_policy(module: M, policy_or_mode: PolicyLike,
+                 overrides: Mapping[type, Any] | None = None) -> M:
+    """Puts an NNX model under a precision policy, in place, and returns it.
+
+    See the module docstring for what changes. ``jamp.apply_policy`` calls this
+    for ``nnx.Module`` arguments.
+
+    Args:
+      module: any ``nnx.Module``, created as usual (in float32).
+      policy_or_mode: a mode name, a jmp-style policy string, a ``jamp.Policy``
+        or a ``jamp.MixedPrecision``.
+      overrides: optional ``{module class: policy}`` replacing the mode's
+        overrides (a subclass follows its parent's).
+
+    Returns:
+      ``module`` itself, whose class is now a policy subclass of its class.
+
+    Raises:
+      ValueError: if a module in ``module`` already runs under a policy, or an
+        override returns a dtype other than its compute dtype on a non-norm layer.
+
+    Example:
+      >>> import jax.numpy as jnp, jamp
+      >>> from flax import nnx
+      >>> model = jamp.apply_policy(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), "bf16_pure")
+      >>> model.kernel.dtype, model(jnp.ones((1, 3))).dtype
+      (dtype(bfloat16), dtype(bfloat16))
+    """
+    if not isinstance(module, nnx.Module):
+        raise TypeError(f"expected an nnx.Module, got {type(module).__name__}.")
+    mp = to_mixed_precision(policy_or_mode, overrides)
+    _check(module, mp)
+    _configure(module, mp)
+    object.__setattr__(module, "__class__", _policy_class(type(module), mp))
+    return module
+
