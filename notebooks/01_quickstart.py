@@ -242,14 +242,16 @@ def accuracy_of(params, images, labels):
 # shuffles in memory.
 
 # %%
+info = jamp.data.get_dataset_info("digits")
+
+
 def load_split(split, size):
-    batch = next(jamp.data.eval_batches("digits", split=split, image_size=8,
+    batch = next(jamp.data.eval_batches(info, split=split, image_size=8,
                                         global_batch_size=size))
     assert batch["mask"].all()
     return batch["image"], batch["label"]
 
 
-info = jamp.data.get_dataset_info("digits")
 train_images, train_labels = load_split("train", info.num_train)
 test_images, test_labels = load_split("test", info.num_test)
 print("train", train_images.shape, "test", test_images.shape, "classes", info.num_classes)

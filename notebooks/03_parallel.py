@@ -215,8 +215,8 @@ plt.show()
 
 # %%
 state = jax.jit(lambda key: nn.unbox(create_state(key)))(jax.random.key(0))
-first = next(jamp.data.eval_batches("digits", split="train", image_size=8,
-                                    global_batch_size=64))
+first = next(jamp.data.eval_batches(jamp.data.get_dataset_info("digits"), split="train",
+                                    image_size=8, global_batch_size=64))
 batch = {"image": first["image"], "label": first["label"]}
 rng = jax.random.key(1)
 

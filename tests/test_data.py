@@ -182,7 +182,8 @@ def test_dataset_info_digits(digits_dir):
 
 def _digits_loader(digits_dir, **kwargs):
     kwargs = {"image_size": 8, "global_batch_size": 64, "seed": 0, **kwargs}
-    return data.train_loader("digits", data_dir=digits_dir, **kwargs)
+    info = data.get_dataset_info("digits", digits_dir)
+    return data.train_loader(info, data_dir=digits_dir, **kwargs)
 
 
 def test_train_loader_batches(digits_dir):
@@ -283,7 +284,8 @@ def test_batch_size_must_divide_process_count(digits_dir):
         _digits_loader(digits_dir, global_batch_size=10, process_count=4)
     with pytest.raises(ValueError, match="multiple of the process count"):
         data.eval_batches(
-            "digits", data_dir=digits_dir, image_size=8, global_batch_size=6, process_count=4
+            data.get_dataset_info("digits", digits_dir),
+            data_dir=digits_dir, image_size=8, global_batch_size=6, process_count=4,
         )
 
 
@@ -292,7 +294,8 @@ def test_batch_size_must_divide_process_count(digits_dir):
 
 def _eval(digits_dir, **kwargs):
     kwargs = {"image_size": 8, "global_batch_size": 128, **kwargs}
-    return list(data.eval_batches("digits", data_dir=digits_dir, **kwargs))
+    info = data.get_dataset_info("digits", digits_dir)
+    return list(data.eval_batches(info, data_dir=digits_dir, **kwargs))
 
 
 def test_eval_batches_cover_test_split_once(digits_dir):
@@ -327,12 +330,12 @@ def test_named_dataset(mnist_dir):
     info = data.get_dataset_info("mnist", mnist_dir)
     assert info == data.DatasetInfo("mnist", 10, (28, 28, 1), 40, 13, "train", "test")
     loader = data.train_loader(
-        "mnist", data_dir=mnist_dir, image_size=16, global_batch_size=8, seed=0
+        info, data_dir=mnist_dir, image_size=16, global_batch_size=8, seed=0
     )
     batch = next(iter(loader))
     assert batch["image"].shape == (8, 16, 16, 1) and batch["image"].dtype == np.float32
     batches = list(
-        data.eval_batches("mnist", data_dir=mnist_dir, image_size=28, global_batch_size=8)
+        data.eval_batches(info, data_dir=mnist_dir, image_size=28, global_batch_size=8)
     )
     assert [int(b["mask"].sum()) for b in batches] == [8, 5]
     labels = np.concatenate([b["label"][b["mask"]] for b in batches])
@@ -352,7 +355,7 @@ def test_named_dataset_with_tfds_mock_data(name, image_shape, image_size, tmp_pa
         info = data.get_dataset_info(name, tmp_path)
         assert info == data.DatasetInfo(name, 10, image_shape, 21, 21, "train", "test")
         loader = data.train_loader(
-            name, data_dir=tmp_path, image_size=image_size, global_batch_size=8, seed=0
+            info, data_dir=tmp_path, image_size=image_size, global_batch_size=8, seed=0
         )
         batches = _take(iter(loader), 3)  # Across the end of the first epoch.
         for b in batches:
@@ -361,7 +364,7 @@ def test_named_dataset_with_tfds_mock_data(name, image_shape, image_size, tmp_pa
             assert b["label"].shape == (8,) and b["label"].dtype == np.int32
             assert b["label"].min() >= 0 and b["label"].max() < info.num_classes
         batches = list(
-            data.eval_batches(name, data_dir=tmp_path, image_size=image_size, global_batch_size=8)
+            data.eval_batches(info, data_dir=tmp_path, image_size=image_size, global_batch_size=8)
         )
         assert [int(b["mask"].sum()) for b in batches] == [8, 8, 5]
         test = data.open_source(info, "test", tmp_path)
@@ -394,7 +397,7 @@ def test_unknown_dataset(tmp_path):
 
 def test_not_prepared_dataset(tmp_path):
     with pytest.raises(data.DatasetNotFoundError) as e:
-        data.train_loader("cifar10", data_dir=tmp_path, image_size=32, global_batch_size=8, seed=0)
+        data.get_dataset_info("cifar10", tmp_path)
     message = str(e.value)
     assert str(tmp_path) in message and "tfds build cifar10" in message
     assert "array_record" in message and not list(tmp_path.iterdir())  # Nothing written.

@@ -79,8 +79,8 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path, monkeypatc
         # The single-process reference trains meanwhile, in this process.
         real_loader = train.data.train_loader
         monkeypatch.setattr(train.data, "train_loader",
-                            lambda name, **kw: _TwoProcessBatches(real_loader,
-                                                                  {"name": name, **kw}))
+                            lambda info, **kw: _TwoProcessBatches(real_loader,
+                                                                  {"info": info, **kw}))
         config = vit_config("fp16")
         config.mesh.data, config.mesh.model, config.mesh.pipe = -1, 2, 2
         for key, value in FIELDS.items():

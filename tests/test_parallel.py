@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 import jamp
-from jamp import data, parallel, train
+from jamp import data, experiment, parallel, train
 from jamp.config import vit_config
 from jamp.loss_scale import loss_scale, overflow_stats
 from jamp.master import master_params
@@ -66,7 +66,8 @@ def tiny_config(mode: str, mesh: tuple[int, int, int], **fields):
 
 @pytest.fixture(scope="module")
 def batches():
-    it = iter(data.train_loader("digits", image_size=8, global_batch_size=BATCH, seed=0))
+    it = iter(data.train_loader(data.get_dataset_info("digits"), image_size=8,
+                                global_batch_size=BATCH, seed=0))
     return [next(it) for _ in range(STEPS)]
 
 
@@ -74,12 +75,12 @@ class Run:
     """One mesh and mode: the experiment, its compiled step and a 20-step trajectory."""
 
     def __init__(self, mode, mesh, batches, initial=None):
-        self.exp = train.build_experiment(tiny_config(mode, mesh))
+        self.exp = experiment.build_experiment(tiny_config(mode, mesh))
         rng = jax.random.key(0)
         with jax.set_mesh(self.exp.mesh):
-            _, self.shardings = train.state_shardings(self.exp, rng)
+            _, self.shardings = experiment.state_shardings(self.exp, rng)
             if initial is None:  # created once per mode, then placed on each mesh
-                initial = jax.device_get(train.init_state(self.exp, rng, self.shardings))
+                initial = jax.device_get(experiment.init_state(self.exp, rng, self.shardings))
         self.initial = initial.replace(apply_fn=self.exp.model.apply, tx=self.exp.tx)
         self.batch_sharding = parallel.batch_sharding(self.exp.mesh)
         with self.context():
@@ -271,7 +272,7 @@ def _skip_with_bad_value_at(run: Run, index: tuple[int, ...], owner: dict[str, i
         return state, metrics["grad_finite"]
 
     state = run.state0()
-    batch = run.batch(next(iter(data.train_loader("digits", image_size=8,
+    batch = run.batch(next(iter(data.train_loader(run.exp.info, image_size=8,
                                                   global_batch_size=BATCH, seed=1))))
     with run.context():
         step = jax.jit(poisoned_step,
@@ -318,10 +319,10 @@ def test_bad_value_in_one_3d_shard_every_shard_skips(runs):
 
 def test_tensor_parallel_shards_params_optimizer_state_and_master_copy():
     # fp16_naive: float16 params + float32 master copy + momentum, all split over 'model'.
-    exp = train.build_experiment(tiny_config("fp16_naive", (4, 2, 1)))
+    exp = experiment.build_experiment(tiny_config("fp16_naive", (4, 2, 1)))
     with jax.set_mesh(exp.mesh):
-        _, shardings = train.state_shardings(exp, jax.random.key(0))
-        state = train.init_state(exp, jax.random.key(0), shardings)
+        _, shardings = experiment.state_shardings(exp, jax.random.key(0))
+        state = experiment.init_state(exp, jax.random.key(0), shardings)
     spec = lambda tree: _path_get(tree, MLP_KERNEL).sharding.spec
     assert spec(state.params) == jax.sharding.PartitionSpec("pipe", None, "model")
     master = master_params(state.opt_state)

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import types
 
 import jax
 import pytest
 
-from jamp import parallel
+from jamp import experiment, parallel
 from jamp.config import vit_config
+from jamp.experiment import ConfigError, build_experiment
 from jamp.parallel import pipeline
-from jamp.train import ConfigError, build_experiment
 
 if len(jax.devices()) < 8:  # conftest forces 8 CPU devices
     pytest.skip("needs 8 devices", allow_module_level=True)
@@ -91,6 +92,18 @@ def test_layers_heads_and_mlp_must_split():
                                                                              model=8))
     assert "scan_layers=True" in _error(scan_layers=False, mesh=dict(pipe=2))
     assert "at least 1" in _error(pipeline_microbatches=0, mesh=dict(pipe=2))
+
+
+@pytest.mark.parametrize("parsed", [False, True])
+def test_worker_processes_need_parsed_absl_flags(monkeypatch, parsed):
+    # grain's workers read absl flags: unparsed (a Python program without absl.app), the
+    # config is refused up front instead of failing in a worker.
+    flag_values = types.SimpleNamespace(is_parsed=lambda: parsed)
+    monkeypatch.setattr(experiment, "flags", types.SimpleNamespace(FLAGS=flag_values))
+    if parsed:
+        build_experiment(_config(worker_count=2))
+    else:
+        assert "worker_count=2" in _error(worker_count=2)
 
 
 def test_bubble_fraction():

@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax.training import train_state
 
-from jamp import data, train
+from jamp import data, experiment, train
 from jamp.config import vit_config
 from jamp.loss_scale import loss_scale, overflow_stats
 from jamp.step import cross_entropy, eval_step
@@ -120,7 +120,7 @@ def _updates(config, grads, steps=1, total_steps=100, params=PARAMS):
 
     Gradients are fed as the train step makes them: of the loss times the loss scale.
     """
-    tx = train.build_optimizer(config, total_steps, train.precision_from_config(config))
+    tx = experiment.build_optimizer(config, total_steps, experiment.precision_from_config(config))
     state = tx.init(params)
     out = []
     for _ in range(steps):
@@ -196,7 +196,7 @@ def test_optimizer_field_selects_sgd_or_adamw():
     # rounding of the bias corrections).
     (adamw,), _ = _updates(_config(optimizer="adamw"), BIG_GRADS)
     _assert_tree_close(adamw, jax.tree.map(lambda g: -0.5 * np.sign(g), BIG_GRADS), rtol=1e-5)
-    with pytest.raises(train.ConfigError, match="'adamw' or 'sgd'"):
+    with pytest.raises(experiment.ConfigError, match="'adamw' or 'sgd'"):
         _updates(_config(optimizer="lamb"), BIG_GRADS)
 
 
@@ -205,7 +205,7 @@ def test_loss_scale_fields_reach_the_optimizer():
     ls = config.loss_scale
     ls.init_scale, ls.growth_factor, ls.growth_interval, ls.max_scale = 1024.0, 4.0, 2, 4096.0
     ls.hysteresis, ls.backoff_factor, ls.min_scale, ls.divergence_steps = 2, 0.25, 256.0, 2
-    tx = train.build_optimizer(config, 100, train.precision_from_config(config))
+    tx = experiment.build_optimizer(config, 100, experiment.precision_from_config(config))
     state = tx.init(PARAMS)
     finite = jax.tree.map(jnp.ones_like, PARAMS)
     overflow = {"w": jnp.full((2, 2), jnp.inf), "b": jnp.ones(3)}
@@ -224,7 +224,7 @@ def test_fp16_pure_honours_divergence_steps_from_the_config():
     # The static scale of fp16_pure was once built without divergence_steps (issue 10).
     config = _config("fp16_pure")
     config.loss_scale.divergence_steps = 3
-    tx = train.build_optimizer(config, 100, train.precision_from_config(config))
+    tx = experiment.build_optimizer(config, 100, experiment.precision_from_config(config))
     state = tx.init(PARAMS)
     overflow = {"w": jnp.full((2, 2), jnp.nan), "b": jnp.ones(3)}
     diverged = []
@@ -239,12 +239,12 @@ def test_fp16_pure_honours_divergence_steps_from_the_config():
 def test_a_loss_scale_field_the_mode_cannot_use_is_a_config_error(mode, field):
     config = _config(mode)
     config.loss_scale[field] = 2
-    with pytest.raises(train.ConfigError, match=rf"{field} does not apply.*mode '{mode}'"):
-        train.precision_from_config(config)
+    with pytest.raises(experiment.ConfigError, match=rf"{field} does not apply.*mode '{mode}'"):
+        experiment.precision_from_config(config)
 
 
 def test_label_smoothing_reaches_the_train_step(monkeypatch, digits_dir):
-    exp = train.build_experiment(_config(label_smoothing=0.2, data_dir=digits_dir))
+    exp = experiment.build_experiment(_config(label_smoothing=0.2, data_dir=digits_dir))
     seen = []
 
     def fake_train_step(state, batch, rng, label_smoothing, value_and_grad):
@@ -272,11 +272,11 @@ def test_cross_entropy_label_smoothing():
 def test_model_fields_and_step_counts_reach_the_experiment(digits_dir):
     fields = dict(dropout_rate=0.25, patch_size=4, num_layers=2, hidden_size=24, num_heads=3,
                   mlp_dim=40, remat=True, scan_layers=False)
-    exp = train.build_experiment(_config("bf16", num_epochs=3, data_dir=digits_dir, **fields))
+    exp = experiment.build_experiment(_config("bf16", num_epochs=3, data_dir=digits_dir, **fields))
     assert {k: getattr(exp.model.inner, k) for k in fields} == fields
     assert exp.model.precision.name == exp.precision.name == "bf16"
     assert (exp.steps_per_epoch, exp.total_steps) == (1437 // 64, 3 * (1437 // 64))
-    exp = train.build_experiment(_config(max_steps=7, data_dir=digits_dir))
+    exp = experiment.build_experiment(_config(max_steps=7, data_dir=digits_dir))
     assert exp.total_steps == 7
 
 
@@ -285,7 +285,7 @@ def test_model_fields_and_step_counts_reach_the_experiment(digits_dir):
 
 def test_evaluate_counts_each_digits_test_example_once(digits_dir):
     config = _config(data_dir=digits_dir)  # 360 test examples: 5 batches of 64 and 40
-    exp = train.build_experiment(config)
+    exp = experiment.build_experiment(config)
     top = 3.0
 
     def predict_zero(variables, images, train):

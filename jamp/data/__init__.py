@@ -3,7 +3,7 @@
 Example:
   >>> from jamp import data
   >>> info = data.get_dataset_info("digits")
-  >>> it = iter(data.train_loader("digits", image_size=8, global_batch_size=128, seed=0))
+  >>> it = iter(data.train_loader(info, image_size=8, global_batch_size=128, seed=0))
   >>> next(it)["image"].shape
   (128, 8, 8, 1)
 """

@@ -1,12 +1,13 @@
 """grain input pipelines over TFDS data sources: shuffled training batches, exact eval.
 
-Training: `train_loader` returns a `grain.DataLoader` (global shuffle with a seed,
+Both take the `DatasetInfo` of `get_dataset_info` (look the dataset up once, pass it
+to both). Training: `train_loader` returns a `grain.DataLoader` (global shuffle with a seed,
 per-process sharding, random crop / flip, batch, normalise). Its iterator yields
 ``{"image": float32 [B, H, W, C], "label": int32 [B]}`` numpy batches and carries
 the data position: grain's orbax handler saves it next to the train state::
 
     import grain, orbax.checkpoint as ocp
-    it = iter(train_loader("digits", image_size=8, global_batch_size=128, seed=0))
+    it = iter(train_loader(info, image_size=8, global_batch_size=128, seed=0))
     mngr = ocp.CheckpointManager(workdir)
     mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(it)))
@@ -22,7 +23,9 @@ Evaluation: `eval_batches` yields every example of the test split exactly once,
 in order, in fixed-size batches; the padding of the last batch has ``mask`` False.
 
 Example:
-  >>> loader = train_loader("digits", image_size=8, global_batch_size=128, seed=0)
+  >>> from jamp.data import get_dataset_info
+  >>> info = get_dataset_info("digits")
+  >>> loader = train_loader(info, image_size=8, global_batch_size=128, seed=0)
   >>> batch = next(iter(loader))
   >>> batch["image"].shape, batch["image"].dtype, batch["label"].dtype
   ((128, 8, 8, 1), dtype('float32'), dtype('int32'))
@@ -38,7 +41,7 @@ import grain
 import numpy as np
 
 from jamp.data import sources, transforms
-from jamp.data.sources import DatasetInfo, get_dataset_info
+from jamp.data.sources import DatasetInfo
 
 Batch = dict[str, np.ndarray]
 
@@ -47,6 +50,7 @@ def steps_per_epoch(info: DatasetInfo, global_batch_size: int) -> int:
     """Returns the number of full global batches in one pass over the train split.
 
     Example:
+      >>> from jamp.data import get_dataset_info
       >>> info = get_dataset_info("digits")
       >>> steps_per_epoch(info, 128)
       11
@@ -71,7 +75,7 @@ def per_process_batch_size(global_batch_size: int, process_count: int) -> int:
 
 
 def train_loader(
-    name: str,
+    info: DatasetInfo,
     *,
     data_dir: str | os.PathLike | None = None,
     image_size: int,
@@ -94,7 +98,7 @@ def train_loader(
     (`seed`, position), so a given seed always yields the same batches.
 
     Args:
-      name: "digits" or a TFDS image-classification dataset prepared in `data_dir`.
+      info: the dataset, from `get_dataset_info` (with the same `data_dir`).
       data_dir: TFDS data_dir; None picks the default (see `resolve_data_dir`).
       image_size: side of the square images produced.
       global_batch_size: examples per step over all processes.
@@ -120,15 +124,15 @@ def train_loader(
 
     Raises:
       ValueError: `global_batch_size` is not a multiple of `process_count`.
-      DatasetNotFoundError: the dataset is unknown or not prepared.
 
     Example:
-      >>> it = iter(train_loader("digits", image_size=8, global_batch_size=64, seed=1))
+      >>> from jamp.data import get_dataset_info
+      >>> info = get_dataset_info("digits")
+      >>> it = iter(train_loader(info, image_size=8, global_batch_size=64, seed=1))
       >>> next(it)["image"].shape
       (64, 8, 8, 1)
     """
     batch_size = per_process_batch_size(global_batch_size, process_count)
-    info = get_dataset_info(name, data_dir)
     source = sources.open_source(info, info.train_split, data_dir)
     mean, std = sources.channel_stats(info, sources.resolve_data_dir(info.name, data_dir))
     small = transforms.is_small(info.image_shape)
@@ -168,7 +172,7 @@ def train_loader(
 
 
 def eval_batches(
-    name: str,
+    info: DatasetInfo,
     *,
     data_dir: str | os.PathLike | None = None,
     image_size: int,
@@ -183,10 +187,10 @@ def eval_batches(
     batch size) and process ``p`` gets its ``p``-th slice of G // process_count,
     so all processes yield the same number of batches, ceil(num / G). Positions
     past the end are padding: a blank image, label 0, ``mask`` False. Arguments are
-    checked (and the dataset found) when called, not on the first ``next``.
+    checked (and the split opened) when called, not on the first ``next``.
 
     Args:
-      name: "digits" or a TFDS image-classification dataset prepared in `data_dir`.
+      info: the dataset, from `get_dataset_info` (with the same `data_dir`).
       data_dir: TFDS data_dir; None picks the default (see `resolve_data_dir`).
       image_size: side of the square images produced.
       global_batch_size: examples per step over all processes.
@@ -200,17 +204,17 @@ def eval_batches(
 
     Raises:
       ValueError: `global_batch_size` is not a multiple of `process_count`.
-      DatasetNotFoundError: the dataset is unknown or not prepared.
 
     Example:
-      >>> batches = list(eval_batches("digits", image_size=8, global_batch_size=128))
+      >>> from jamp.data import get_dataset_info
+      >>> info = get_dataset_info("digits")
+      >>> batches = list(eval_batches(info, image_size=8, global_batch_size=128))
       >>> len(batches), int(sum(b["mask"].sum() for b in batches))
       (3, 360)
     """
     batch_size = per_process_batch_size(global_batch_size, process_count)
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} is not in [0, {process_count}).")
-    info = get_dataset_info(name, data_dir)
     source = sources.open_source(info, split or info.test_split, data_dir)
     mean, std = sources.channel_stats(info, sources.resolve_data_dir(info.name, data_dir))
     preprocess = transforms.Preprocess(size=image_size, small=transforms.is_small(info.image_shape))

@@ -1,0 +1,281 @@
+"""From a config to an :class:`Experiment` and its initial train state.
+
+The data flow of a run starts here: config -> mesh -> pipeline (a layer runner when
+the mesh has 'pipe' stages) -> dataset info -> policy-wrapped model -> optimizer
+with the mode's loss scale -> the train state, sharded by the logical axis rules.
+:func:`validate_config` refuses sizes that cannot work before anything is built,
+with the fix in the message; :mod:`jamp.train` runs the experiment.
+
+Example:
+  >>> import jax
+  >>> from jamp.config import vit_config
+  >>> config = vit_config("fp16")
+  >>> config.mesh.pipe = 2
+  >>> exp = build_experiment(config)
+  >>> dict(exp.mesh.shape), exp.pipeline.bubble_fraction, exp.total_steps
+  ({'data': 4, 'model': 1, 'pipe': 2}, 0.2, 1100)
+  >>> with jax.set_mesh(exp.mesh):
+  ...     abstract, shardings = state_shardings(exp, jax.random.key(0))
+  ...     state = init_state(exp, jax.random.key(0), shardings)
+  >>> kernel = state.params["encoder"]["layers"]["MlpBlock_0"]["Dense_0"]["kernel"]
+  >>> tuple(kernel.sharding.spec)  # [layers, embed, mlp]: layers over 'pipe', mlp over 'model'
+  ('pipe', None, 'model')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from absl import flags
+from flax.training import train_state
+
+from jamp import data, parallel
+from jamp.flax import apply_policy
+from jamp.models import vit
+from jamp.models.sizes import vit_dims
+from jamp.parallel.pipeline import GPipe
+from jamp.policy import MixedPrecision, mixed_precision
+from jamp.step import make_optimizer
+
+Config = ml_collections.ConfigDict
+
+
+class ConfigError(ValueError):
+    """The config cannot be trained as given; the message says what to change."""
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything built from a config before the loop runs.
+
+    ``pipeline`` is the layer runner the model was given (None: the mesh has no
+    'pipe' stages); the trainer's gradient function makes 'pipe' manual with it.
+    """
+
+    config: Config
+    precision: MixedPrecision
+    mesh: jax.sharding.Mesh
+    info: data.DatasetInfo
+    model: nn.Module
+    pipeline: GPipe | None
+    tx: optax.GradientTransformation
+    steps_per_epoch: int
+    total_steps: int
+
+
+def precision_from_config(config: Config) -> MixedPrecision:
+    """The config's mode with any ``config.loss_scale.*`` field that is set.
+
+    Example:
+      >>> from jamp.config import vit_config
+      >>> c = vit_config("fp16"); c.loss_scale.hysteresis = 2
+      >>> precision_from_config(c).loss_scale.hysteresis
+      2
+    """
+    fields = {k: v for k, v in config.loss_scale.items() if v is not None}
+    if "kind" in fields:
+        fields["loss_scale"] = fields.pop("kind")
+    try:
+        return mixed_precision(config.mode, **fields)
+    except ValueError as e:
+        raise ConfigError(f"--config.mode / --config.loss_scale: {e}") from None
+
+
+def build_optimizer(config: Config, total_steps: int,
+                    mp: MixedPrecision) -> optax.GradientTransformation:
+    """Clip + AdamW/SGD with linear warm-up and cosine decay, wrapped for the mode.
+
+    Example:
+      >>> import optax
+      >>> from jamp.config import vit_config
+      >>> c = vit_config("bf16")
+      >>> tx = build_optimizer(c, 100, precision_from_config(c))
+      >>> isinstance(tx, optax.GradientTransformation)
+      True
+    """
+    warmup = min(config.warmup_steps, max(total_steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, warmup, max(total_steps, warmup + 1))
+    if config.optimizer == "adamw":
+        opt = optax.adamw(schedule, weight_decay=config.weight_decay)
+    elif config.optimizer == "sgd":
+        opt = optax.chain(optax.add_decayed_weights(config.weight_decay),
+                          optax.sgd(schedule, momentum=config.momentum))
+    else:
+        raise ConfigError(f"--config.optimizer={config.optimizer!r}: use 'adamw' or 'sgd'.")
+    if config.grad_clip_norm:
+        opt = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), opt)
+    return make_optimizer(mp, opt)
+
+
+def pipeline_from_config(config: Config, mesh: jax.sharding.Mesh) -> GPipe | None:
+    """The model's layer runner for the mesh's 'pipe' stages; None without a pipeline.
+
+    Example:
+      >>> from jamp.config import vit_config
+      >>> pipeline_from_config(vit_config("fp16"), parallel.make_mesh({"data": 4, "pipe": 2}))
+      GPipe(stages=2, microbatches=4, axis_name='pipe')
+    """
+    stages = mesh.shape["pipe"]
+    return GPipe(stages, config.pipeline_microbatches) if stages > 1 else None
+
+
+def model_dims(config: Config) -> dict[str, int]:
+    """The ViT's size: the ``config.model`` variant with the dimensions the config sets.
+
+    Example:
+      >>> from jamp.config import vit_config
+      >>> model_dims(vit_config("fp16", "s16,cifar10"))["hidden_size"]
+      384
+    """
+    try:
+        return vit_dims(config.model, **{k: config[k] for k in (
+            "num_layers", "hidden_size", "num_heads", "mlp_dim")})
+    except ValueError as e:
+        raise ConfigError(f"--config.model: {e}") from None
+
+
+def validate_config(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None) -> None:
+    """Raises a :class:`ConfigError` naming the fix if ``config`` cannot train on ``mesh``.
+
+    Runs before anything is built: the batch against processes, 'data' shards and
+    microbatches; the model against 'model' and the pipeline stages; image and patch
+    sizes; the loader's worker processes.
+
+    Example:
+      >>> from jamp.config import vit_config
+      >>> c = vit_config("fp16"); c.num_heads = 3
+      >>> try:
+      ...     validate_config(c, parallel.make_mesh({"data": 4, "model": 2}), None)
+      ... except ConfigError as e:
+      ...     print(str(e).split(" (")[0])
+      num_heads=3 cannot be split over the 2 devices of the mesh's 'model' axis
+    """
+    _check_batch(config, mesh, pipeline)
+    _check_model(config, mesh, pipeline)
+    if config.image_size % config.patch_size:
+        raise ConfigError(
+            f"--config.image_size={config.image_size} is not divisible by "
+            f"--config.patch_size={config.patch_size}.")
+    if config.worker_count > 0 and not flags.FLAGS.is_parsed():
+        raise ConfigError(
+            f"--config.worker_count={config.worker_count}: grain's worker processes read "
+            "absl flags, and they are not parsed. Use the jamp.train command (absl.app parses "
+            "them), call absl.flags.FLAGS.mark_as_parsed() first, or set worker_count=0.")
+
+
+def _check_batch(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None) -> None:
+    """The global batch must split over processes, 'data' shards and pipeline microbatches."""
+    data_size, microbatches = mesh.shape["data"], pipeline.microbatches if pipeline else 1
+    if microbatches < 1:
+        raise ConfigError(
+            f"--config.pipeline_microbatches={microbatches} must be at least 1 (at least "
+            f"{pipeline.stages}, the pipeline stages, to keep the bubble (S-1)/(M+S-1) small).")
+    split = data_size * microbatches
+    if config.batch_size <= 0 or config.batch_size % split:
+        what = (f"the {data_size} devices of the mesh's 'data' axis" if microbatches == 1 else
+                f"{data_size} 'data' shards x {microbatches} pipeline microbatches = {split}")
+        change = "--config.mesh.data" + (
+            " or --config.pipeline_microbatches" if microbatches > 1 else "")
+        raise ConfigError(
+            f"--config.batch_size={config.batch_size} is not divisible by {what}. Use a "
+            f"multiple of {split} (e.g. {max(split, config.batch_size // split * split)}) "
+            f"or change {change}.")
+    processes = jax.process_count()
+    if config.batch_size % processes:
+        raise ConfigError(f"--config.batch_size={config.batch_size} is not divisible by the "
+                          f"{processes} processes.")
+    if data_size % processes:
+        raise ConfigError(
+            f"The mesh's 'data' axis ({data_size}) is not a multiple of the {processes} "
+            "processes: each process feeds its own slice of the batch, so the processes must "
+            "split the 'data' axis (keep 'model' and 'pipe' within a process). Change "
+            "--config.mesh.*.")
+
+
+def _check_model(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None) -> None:
+    """Heads and MLP units must split over 'model', the layers over the pipeline stages."""
+    dims, tp = model_dims(config), mesh.shape["model"]
+    for name in ("num_heads", "mlp_dim"):
+        if dims[name] % tp:
+            raise ConfigError(
+                f"{name}={dims[name]} cannot be split over the {tp} devices of the mesh's "
+                f"'model' axis (tensor parallelism shards it): change --config.{name} or "
+                "--config.mesh.model.")
+    if pipeline and not config.scan_layers:
+        raise ConfigError(
+            f"--config.mesh.pipe={pipeline.stages} needs --config.scan_layers=True: the "
+            "pipeline splits the scanned encoder blocks into stages.")
+    if pipeline and dims["num_layers"] % pipeline.stages:
+        raise ConfigError(
+            f"num_layers={dims['num_layers']} cannot be split into {pipeline.stages} pipeline "
+            "stages: change --config.num_layers or --config.mesh.pipe to divide it.")
+    if dims["hidden_size"] % dims["num_heads"]:
+        raise ConfigError(f"hidden_size={dims['hidden_size']} is not divisible by "
+                          f"num_heads={dims['num_heads']}.")
+
+
+def build_experiment(config: Config) -> Experiment:
+    """Validates ``config`` and builds mesh, pipeline, dataset info, model and optimizer.
+
+    Raises:
+      ConfigError / DatasetNotFoundError with a message naming the fix.
+
+    Example:
+      >>> from jamp.config import vit_config
+      >>> build_experiment(vit_config("fp16")).info.num_classes
+      10
+    """
+    mp = precision_from_config(config)
+    try:
+        mesh = parallel.make_mesh(config.mesh.to_dict())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    pipeline = pipeline_from_config(config, mesh)
+    validate_config(config, mesh, pipeline)
+    info = data.get_dataset_info(config.dataset, config.data_dir)
+    module = vit.create(config.model, num_classes=info.num_classes, patch_size=config.patch_size,
+                        dropout_rate=config.dropout_rate, remat=config.remat,
+                        scan_layers=config.scan_layers, layer_runner=pipeline,
+                        **model_dims(config))
+    steps_per_epoch = data.steps_per_epoch(info, config.batch_size)
+    total_steps = steps_per_epoch * config.num_epochs
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
+    return Experiment(config, mp, mesh, info, apply_policy(module, mp), pipeline,
+                      build_optimizer(config, total_steps, mp), steps_per_epoch, total_steps)
+
+
+def _create_state(exp: Experiment, rng: jax.Array) -> train_state.TrainState:
+    images = jnp.zeros((1, exp.config.image_size, exp.config.image_size,
+                        exp.info.image_shape[-1]), jnp.float32)
+    params = exp.model.init({"params": rng}, images)["params"]
+    return train_state.TrainState.create(apply_fn=exp.model.apply, params=params, tx=exp.tx)
+
+
+def state_shardings(exp: Experiment, rng: jax.Array) -> tuple[Any, Any]:
+    """Abstract (unboxed) train state and its shardings from the logical axis rules.
+
+    Example: see the module docstring.
+    """
+    boxed = jax.eval_shape(lambda r: _create_state(exp, r), rng)
+    specs = nn.get_partition_spec(boxed)
+    shardings = nn.logical_to_mesh_sharding(specs, exp.mesh, parallel.LOGICAL_AXIS_RULES)
+    abstract = jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        nn.unbox(boxed), shardings)
+    return abstract, shardings
+
+
+def init_state(exp: Experiment, rng: jax.Array, shardings: Any) -> train_state.TrainState:
+    """The initial train state, created sharded (call under ``jax.set_mesh(exp.mesh)``).
+
+    Example: see the module docstring.
+    """
+    return jax.jit(lambda r: nn.unbox(_create_state(exp, r)), out_shardings=shardings)(rng)
