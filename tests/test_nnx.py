@@ -116,10 +116,8 @@ def test_jaxpr_contract(mode, name):
         assert _dtypes(jaxpr, DOTS) == {compute}, (mode, name)
         exp = _dtypes(jaxpr, ("exp",))
         if name == "attention":  # softmax (both attentions); stats of the norms: rsqrt
-            if compute != "float32" and mode not in FLOAT32_SOFTMAX:  # the custom one in half
-                assert compute in exp, (mode, exp)  # (jax.nn.dot_product_attention: float32)
-            else:
-                assert exp == {"float32"}, (mode, exp)
+            half = compute != "float32" and mode not in FLOAT32_SOFTMAX
+            assert exp == ({compute} if half else {"float32"}), (mode, exp)
         assert _dtypes(jaxpr, ("rsqrt",)) == {"float32"}
     for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         norm = any(str(p).endswith("norm") or p in ("bn", "gn") for p in path) or (
