@@ -35,11 +35,11 @@ from flax.training import train_state
 
 from jamp.loss_scale import loss_scale, overflow_stats, scale_loss
 from jamp.master import master_weights
-from jamp.policy import MixedPrecision
+from jamp.policy import PolicyLike, to_mixed_precision
 
 
 def make_optimizer(
-    mp: MixedPrecision,
+    mp: PolicyLike,
     tx: optax.GradientTransformation,
     *,
     axis_names: tuple[str, ...] = (),
@@ -54,16 +54,19 @@ def make_optimizer(
     so a skipped step leaves the master copy untouched.
 
     Args:
-      mp: the recipe (``jamp.mixed_precision(...)``).
+      mp: what :func:`jamp.apply_policy` takes: a mode name (``"fp16"``), a
+        ``jamp.mixed_precision(...)`` recipe, or a policy (a bare policy has no
+        loss scale: name a mode to get one).
       tx: any optax optimizer (clipping inside it sees unscaled gradients).
       axis_names: mesh axes to reduce the overflow check over inside ``shard_map``.
 
     Example:
       >>> import optax, jamp
-      >>> tx = jamp.make_optimizer(jamp.mixed_precision("O2"), optax.adam(1e-3))
+      >>> tx = jamp.make_optimizer("O2", optax.adam(1e-3))
       >>> isinstance(tx, optax.GradientTransformation)
       True
     """
+    mp = to_mixed_precision(mp)
     if mp.master_weights:
         tx = master_weights(tx)
     return mp.loss_scale.wrap(tx, axis_names)

@@ -302,3 +302,13 @@ def test_evaluate_counts_each_digits_test_example_once(digits_dir):
     assert metrics["eval/accuracy"] == pytest.approx(zeros / 360, rel=1e-12)
     expected_loss = (zeros * (lse - top) + (360 - zeros) * lse) / 360
     assert metrics["eval/loss"] == pytest.approx(expected_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "O2", "bf16", "fp16_pure"])
+def test_make_optimizer_takes_what_apply_policy_takes(mode):
+    from jamp import make_optimizer, mixed_precision
+
+    by_name = make_optimizer(mode, optax.sgd(0.1)).init(PARAMS)
+    by_recipe = make_optimizer(mixed_precision(mode), optax.sgd(0.1)).init(PARAMS)
+    assert jax.tree.structure(by_name) == jax.tree.structure(by_recipe)
+    assert float(loss_scale(by_name)) == float(loss_scale(by_recipe))
