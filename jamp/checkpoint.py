@@ -5,9 +5,9 @@ step), the grain iterator position, and JSON metadata (mode, dataset, model)
 that must match on resume. A checkpoint that cannot be read gives a
 :class:`CheckpointError` that says which directory and what to do.
 
-Example:
-  >>> # ckpt = Checkpointer(workdir + "/checkpoints", keep=2)
-  >>> # ckpt.save(step, state, data_iterator, meta); ckpt.restore(abstract, it, meta)
+Usage (in the trainer): ``ckpt.save(step, state, data_iterator, meta)`` every few
+steps, ``ckpt.restore(abstract_state, data_iterator, meta)`` on a rerun; see
+:class:`Checkpointer` for a runnable example.
 """
 
 from __future__ import annotations
