@@ -2,30 +2,34 @@
 
 torch.amp reaches every op of a model through lists of ops: matmuls run in the
 low-precision dtype, numerically sensitive ops in float32. :func:`autocast` does
-the same in JAX's idiom: it traces the function to a jaxpr and evaluates it
-again with these rules, recursing into ``jit``, ``scan``, ``while_loop``,
-``cond`` and ``checkpoint`` bodies:
+the same in JAX's idiom: it traces the function *as written* to a jaxpr, then
+evaluates that jaxpr again on inputs cast to the compute dtype, op by op,
+recursing into ``jit``, ``scan``, ``while_loop``, ``cond`` and ``checkpoint``:
 
-- floating inputs are cast to the policy's compute dtype (as jmp/Haiku do), so a
-  function written for float32 computes in the compute dtype;
 - ``dot_general`` and ``conv_general_dilated`` (matmul, einsum, convolutions)
-  take compute-dtype operands, whatever dtype their operands had, and return the
-  dtype they returned before (accumulating in it);
+  take and return the compute dtype, whatever their operands' dtype;
 - in modes whose softmax runs in float32 (``fp16``, ``bf16``, ``fp16_naive``):
   softmax and log-softmax of half-precision logits run in float32 and save only
   half-precision residuals (:mod:`jamp.attention`); ``exp``, ``log``, powers,
   square roots (normalisation statistics) and sums (losses, means, large
-  reductions) of half-precision values run in float32, rematerialised in the
-  backward pass so that only half-precision inputs are saved;
-- every other op runs as traced, so every value keeps the type it was traced
-  with: loop carries, branch outputs and custom derivative rules see exactly
-  the types they were written for;
-- outputs are cast to the policy's output dtype.
+  reductions) of half-precision values run in float32 and return the half
+  dtype, rematerialised in the backward pass so only their half-precision
+  inputs are saved;
+- ops that work on any floating dtype (elementwise math, shapes, gathers,
+  reductions, sorts, collectives) run on the values as they are; where
+  floating operands differ they meet at the narrowest dtype, so a float32
+  constant does not pull half-precision activations back to float32;
+- every other op (and every ``custom_jvp``/``custom_vjp`` function, whose
+  derivative rule someone wrote for its traced types) gets its operands cast
+  back to the dtypes it was traced with, and runs exactly as written;
+- loop carries keep the dtype they enter the loop with; ``cond`` branches meet
+  at the narrowest dtype; outputs are cast to the policy's output dtype.
 
-The rewrite happens at trace time: under ``jax.jit`` it costs nothing when the
-compiled function runs. It composes with ``jit``, ``grad``, ``vmap``, ``scan``,
-``checkpoint``, ``shard_map`` and custom derivatives (their bodies are left as
-written: autocast cannot change a derivative rule someone wrote).
+A function that runs in float32 therefore runs under autocast: no dtype
+mismatch can appear that the float32 program did not have. The rewrite happens
+at trace time: under ``jax.jit`` it costs nothing when the compiled function
+runs. It composes with ``jit``, ``grad``, ``vmap``, ``scan``, ``checkpoint``,
+``shard_map`` (whose body runs as written) and custom derivatives.
 
 Example:
   >>> import jax, jax.numpy as jnp, jamp
@@ -61,12 +65,29 @@ _LINEAR_FLOAT32 = frozenset({"reduce_sum", "cumsum"})
 _FLOAT32 = frozenset({"exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "sqrt",
                       "rsqrt", "reduce_prod", "cumprod", "cumlogsumexp", "erf_inv", "lgamma",
                       "digamma"}) | _LINEAR_FLOAT32
+_POLYMORPHIC = frozenset({
+    # elementwise
+    "add", "add_any", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min", "square",
+    "floor", "ceil", "round", "nextafter", "atan2", "tanh", "logistic", "sin", "cos", "tan",
+    "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc", "cbrt",
+    "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "select_n", "clamp", "stop_gradient",
+    "copy", "copy_p", "reduce_precision",
+    # structural
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "slice",
+    "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "split",
+    "sharding_constraint", "optimization_barrier",
+    # reductions, sorting, collectives
+    "reduce_max", "reduce_min", "argmax", "argmin", "cummax", "cummin", "sort",
+    "reduce_window_sum", "reduce_window_max", "reduce_window_min",
+    "psum", "pmax", "pmin", "all_gather", "ppermute", "all_to_all",
+})
 _TRANSPARENT = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "squeeze",
                           "expand_dims", "stop_gradient", "max"})
 
 
 def _floating(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
+    return isinstance(x, jax.Array | np.ndarray | np.generic) and jnp.issubdtype(
+        x.dtype, jnp.floating)
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:
@@ -93,12 +114,14 @@ class Rules:
       cast_dots: cast ``dot_general``/``conv_general_dilated`` operands to it.
       softmax: run softmax/log-softmax of half-precision logits in float32.
       float32_ops: run exp/log/pow/sqrt/sums of half-precision values in float32.
+      cast_inputs: evaluate on floating inputs cast to the compute dtype.
     """
 
     compute_dtype: Any
     cast_dots: bool = True
     softmax: bool = True
     float32_ops: bool = True
+    cast_inputs: bool = True
 
     @classmethod
     def for_recipe(cls, mp: MixedPrecision) -> Rules:
@@ -205,7 +228,7 @@ def _plan(jaxpr: jex.Jaxpr, rules: Rules) -> _Plan:
         producers = _producers(jaxpr)
         for i, eqn in enumerate(jaxpr.eqns):
             found = _softmax_at(eqn, producers)
-            if found is not None and jnp.dtype(found[1].aval.dtype) in _HALF:
+            if found is not None:  # whatever it traced as: its values may be half precision
                 replace[i] = found
     needed = {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
     live = [False] * len(jaxpr.eqns)
@@ -219,6 +242,11 @@ def _plan(jaxpr: jex.Jaxpr, rules: Rules) -> _Plan:
 
 
 # ----------------------------------------------------------------------------- evaluation
+#
+# Values may have other dtypes than the jaxpr traced (inputs cast to the compute dtype, dots
+# returning it). Ops known to work on any floating dtype run on the values as they are (mixed
+# floating operands meet at the narrowest dtype, as Python scalars would); every other op gets
+# its operands cast back to the traced dtypes, so it runs exactly as written.
 
 
 def _bind(eqn: jex.JaxprEqn, invals: Sequence[Any], params: dict | None = None) -> list:
@@ -236,83 +264,125 @@ def _bind(eqn: jex.JaxprEqn, invals: Sequence[Any], params: dict | None = None) 
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _out_dtypes(eqn: jex.JaxprEqn) -> list:
-    return [v.aval.dtype for v in eqn.outvars]
+def _as_traced(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
+    """``eqn`` run on its operands cast back to the dtypes it was traced with."""
+    return _bind(eqn, [x.astype(v.aval.dtype) if _floating(x) and x.dtype != v.aval.dtype else x
+                       for x, v in zip(invals, eqn.invars, strict=True)])
+
+
+def _narrowest_dtype(dtypes: Sequence[Any]) -> Any:
+    return min(dtypes, key=lambda d: (jnp.dtype(d).itemsize, jnp.dtype(d) not in _HALF))
+
+
+def _narrowest(invals: Sequence[Any]) -> list:
+    """Floating operands cast to the narrowest floating dtype among them."""
+    dtypes = {x.dtype for x in invals if _floating(x)}
+    if len(dtypes) < 2:
+        return list(invals)
+    target = _narrowest_dtype(dtypes)
+    return [x.astype(target) if _floating(x) else x for x in invals]
+
+
+def _polymorphic(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
+    return _bind(eqn, _narrowest(invals))
 
 
 def _dot(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
-    """A matmul/conv on compute-dtype operands, returning (and accumulating in) its dtype."""
+    """A matmul/conv on compute-dtype operands, returning the compute dtype."""
+    if not all(_floating(x) for x in invals):
+        return _as_traced(eqn, invals)
     compute = jnp.dtype(rules.compute_dtype)
-    if not all(_floating(x) for x in invals) or all(x.dtype == compute for x in invals):
-        return _bind(eqn, invals)
-    params = dict(eqn.params, preferred_element_type=eqn.outvars[0].aval.dtype)
+    params = dict(eqn.params, preferred_element_type=compute)
     return _bind(eqn, [x.astype(compute) for x in invals], params)
 
 
 def _float32(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
-    """``eqn`` computed in float32, cast back; remat keeps only the half-precision inputs."""
-    if not any(_floating(x) and x.dtype in _HALF for x in invals):
+    """``eqn`` computed in float32, returned in its operands' dtype; remat keeps the half
+    precision inputs only (not float32 intermediates) for the backward pass."""
+    invals = _narrowest(invals)
+    half = {x.dtype for x in invals if _floating(x)} & set(_HALF)
+    if not half:
         return _bind(eqn, invals)
-    dtypes = _out_dtypes(eqn)
+    (dtype,) = half
 
     def in_float32(*xs):
         out = _bind(eqn, [x.astype(jnp.float32) if _floating(x) else x for x in xs])
-        return [y.astype(d) for y, d in zip(out, dtypes, strict=True)]
+        return [y.astype(dtype) if _floating(y) else y for y in out]
 
     if eqn.primitive.name in _LINEAR_FLOAT32:
         return in_float32(*invals)
     return jax.checkpoint(in_float32, prevent_cse=False)(*invals)
 
 
+def _convert(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
+    """Casts as written: to ``new_dtype``, whatever the operand's dtype now is."""
+    return [invals[0].astype(eqn.params["new_dtype"])]
+
+
 def _whole_softmax(closed: jex.ClosedJaxpr, rules: Rules) -> tuple[str, tuple] | None:
-    """A ``custom_jvp`` function that is exactly a softmax of its one input."""
+    """A custom-derivative function that is exactly a softmax of its one input."""
     jaxpr = closed.jaxpr
     if len(jaxpr.invars) != 1 or len(jaxpr.outvars) != 1:
         return None
-    plan = _plan(jaxpr, rules)
+    plan = _plan(jaxpr, dataclasses.replace(rules, softmax=True))
     for i, (kind, a, axes) in plan.replace.items():
         if jaxpr.eqns[i].outvars[0] is jaxpr.outvars[0] and a is jaxpr.invars[0]:
             return kind, axes
     return None
 
 
-def _custom_jvp(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
-    found = _whole_softmax(eqn.params["call_jaxpr"], rules) if rules.softmax else None
-    if found is None or len(invals) != 1 or invals[0].dtype not in _HALF:
-        return _bind(eqn, invals)
+def _custom(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
+    """custom_jvp/custom_vjp functions run as written, except a whole softmax on half logits."""
+    found = None
+    if rules.softmax and len(invals) == 1 and _floating(invals[0]) and invals[0].dtype in _HALF:
+        found = _whole_softmax(eqn.params["call_jaxpr"], rules)
+    if found is None:
+        return _as_traced(eqn, invals)
     kind, axes = found
     return [_SOFTMAX[kind](invals[0], axes)]
 
 
+def _cast_like(values: Sequence[Any], like: Sequence[Any]) -> list:
+    return [x.astype(y.dtype) if _floating(x) and x.dtype != y.dtype else x
+            for x, y in zip(values, like, strict=True)]
+
+
 def _scan(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
+    """``lax.scan`` again; the carry keeps the dtype it enters with."""
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
-    consts, carry, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
-                         invals[n_consts + n_carry:])
+    consts, carry, xs = (invals[:n_consts], list(invals[n_consts:n_consts + n_carry]),
+                         list(invals[n_consts + n_carry:]))
 
-    def body(carry, x):
-        out = _eval_closed(p["jaxpr"], [*consts, *carry, *x], rules)
-        return out[:n_carry], out[n_carry:]
+    def body(c, x):
+        out = _eval_closed(p["jaxpr"], [*consts, *c, *x], rules)
+        return _cast_like(out[:n_carry], c), out[n_carry:]
 
-    carry, ys = jax.lax.scan(body, list(carry), list(xs), length=p["length"],
-                             reverse=p["reverse"], unroll=p["unroll"])
+    carry, ys = jax.lax.scan(body, carry, xs, length=p["length"], reverse=p["reverse"],
+                             unroll=p["unroll"])
     return [*carry, *ys]
 
 
 def _while(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
+    """``lax.while_loop`` again; the carry keeps the dtype it enters with."""
     p = eqn.params
     n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts = invals[:n_cond], invals[n_cond:n_cond + n_body]
     init = list(invals[n_cond + n_body:])
     cond = lambda c: _eval_closed(p["cond_jaxpr"], [*cond_consts, *c], rules)[0]
-    body = lambda c: _eval_closed(p["body_jaxpr"], [*body_consts, *c], rules)
+    body = lambda c: _cast_like(_eval_closed(p["body_jaxpr"], [*body_consts, *c], rules), c)
     return jax.lax.while_loop(cond, body, init)
 
 
 def _cond(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
-    branches = [functools.partial(lambda b, *ops: _eval_closed(b, ops, rules), b)
-                for b in eqn.params["branches"]]
-    return jax.lax.switch(invals[0], branches, *invals[1:])
+    """``lax.switch`` again; each output in the narrowest dtype any branch gives it."""
+    branches = eqn.params["branches"]
+    run = lambda b, *ops: _eval_closed(b, ops, rules)
+    shapes = [jax.eval_shape(functools.partial(run, b), *invals[1:]) for b in branches]
+    like = [jax.ShapeDtypeStruct(s[0].shape, _narrowest_dtype([x.dtype for x in s]))
+            for s in zip(*shapes, strict=True)]
+    fns = [lambda *ops, b=b: _cast_like(run(b, *ops), like) for b in branches]
+    return jax.lax.switch(invals[0], fns, *invals[1:])
 
 
 def _checkpoint(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
@@ -332,7 +402,7 @@ _HIGHER_ORDER: dict[str, Callable[[jex.JaxprEqn, Sequence[Any], Rules], list]] =
     "jit": _inline("jaxpr"), "pjit": _inline("jaxpr"), "closed_call": _inline("call_jaxpr"),
     "scan": _scan, "while": _while, "cond": _cond,
     "remat2": _checkpoint, "checkpoint": _checkpoint,
-    "custom_jvp_call": _custom_jvp,
+    "custom_jvp_call": _custom, "custom_vjp_call": _custom, "custom_vjp_call_jaxpr": _custom,
 }
 
 
@@ -340,11 +410,15 @@ def _apply(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
     name = eqn.primitive.name
     if name in _HIGHER_ORDER:
         return _HIGHER_ORDER[name](eqn, invals, rules)
+    if name == "convert_element_type":
+        return _convert(eqn, invals)
     if rules.cast_dots and name in _DOTS:
         return _dot(eqn, invals, rules)
     if rules.float32_ops and name in _FLOAT32:
         return _float32(eqn, invals)
-    return _bind(eqn, invals)
+    if name in _POLYMORPHIC or name in _FLOAT32:
+        return _polymorphic(eqn, invals)
+    return _as_traced(eqn, invals)
 
 
 def _eval_closed(closed: jex.ClosedJaxpr, args: Sequence[Any], rules: Rules) -> list:
@@ -352,7 +426,7 @@ def _eval_closed(closed: jex.ClosedJaxpr, args: Sequence[Any], rules: Rules) -> 
 
 
 def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Rules) -> list:
-    """Evaluates ``jaxpr`` applying ``rules``; every output keeps its traced type."""
+    """Evaluates ``jaxpr`` on ``args`` (of any floating dtypes) applying ``rules``."""
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
@@ -362,7 +436,7 @@ def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: R
             continue
         if i in plan.replace:
             kind, a, axes = plan.replace[i]
-            outs = [_SOFTMAX[kind](env[a], axes).astype(eqn.outvars[0].aval.dtype)]
+            outs = [_SOFTMAX[kind](env[a], axes)]
         else:
             outs = _apply(eqn, [read(v) for v in eqn.invars], rules)
         env.update(zip(eqn.outvars, outs, strict=True))
@@ -374,17 +448,18 @@ def _is_array(x: Any) -> bool:
 
 
 def rewrite(fn: Callable[..., Any], rules: Rules) -> Callable[..., Any]:
-    """``fn`` traced and evaluated again under ``rules``; same inputs, outputs and types.
+    """``fn`` traced as written, then evaluated again under ``rules``.
 
     Array leaves of the arguments are traced; every other leaf (Python numbers,
-    strings, callables) is passed to ``fn`` as is.
+    strings, callables) is passed to ``fn`` as is. Outputs may come back in
+    other floating dtypes than ``fn`` gives (the compute dtype, for instance).
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jamp.autocast import Rules, rewrite
       >>> f = rewrite(lambda x: x @ x, Rules(jnp.bfloat16))
       >>> f(jnp.ones((2, 2))).dtype
-      dtype('float32')
+      dtype(bfloat16)
     """
 
     @functools.wraps(fn)
@@ -401,6 +476,8 @@ def rewrite(fn: Callable[..., Any], rules: Rules) -> Callable[..., Any]:
 
         arrays = [leaves[i] for i in dynamic]
         closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*arrays)
+        if rules.cast_inputs:
+            arrays = cast_floating(arrays, rules.compute_dtype)
         outs = _eval_closed(closed, arrays, rules)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
@@ -410,14 +487,16 @@ def rewrite(fn: Callable[..., Any], rules: Rules) -> Callable[..., Any]:
 def autocast(fn: Callable[..., Any], policy_or_mode: PolicyLike) -> Callable[..., Any]:
     """Returns ``fn`` run under a precision policy, with torch.amp-style op rules.
 
-    Floating inputs are cast to the compute dtype; matmul/conv/einsum operands
-    are in the compute dtype; in modes whose softmax runs in float32 (``fp16``,
-    ``bf16``, ``fp16_naive``) softmax, log-softmax, exp/log, powers, square roots
-    and sums of half-precision values run in float32 keeping half-precision
-    residuals; loop carries and all other values keep the type ``fn`` traced
-    them with; outputs are cast to the output dtype. A bare policy
+    ``fn`` is traced as written; its floating inputs are cast to the compute
+    dtype; matmul/conv/einsum operands are in the compute dtype; in modes whose
+    softmax runs in float32 (``fp16``, ``bf16``, ``fp16_naive``) softmax,
+    log-softmax, exp/log, powers, square roots and sums of half-precision values
+    run in float32 keeping half-precision residuals; loop carries keep the
+    dtype they enter with; ops autocast does not know run on the dtypes they
+    were traced with; outputs are cast to the output dtype. A bare policy
     (``"p=f32,c=bf16,o=f32"`` or a ``jamp.Policy``) casts without the float32
-    rules, as ``jamp.apply_policy`` does.
+    rules, as ``jamp.apply_policy`` does. Parameters stay in the dtype you
+    store them in (``mp.policy.cast_to_param(params)`` gives the param dtype).
 
     Args:
       fn: any function of arrays (and of other Python values, passed as is).
@@ -438,7 +517,6 @@ def autocast(fn: Callable[..., Any], policy_or_mode: PolicyLike) -> Callable[...
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        args, kwargs = cast_floating((args, kwargs), mp.policy.compute_dtype)
         return cast_floating(rewritten(*args, **kwargs), mp.policy.output_dtype)
 
     return run
