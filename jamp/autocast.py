@@ -121,7 +121,7 @@ class Rules:
     cast_dots: bool = True
     softmax: bool = True
     float32_ops: bool = True
-    cast_inputs: bool = True
+    cast_inputs: bool = False
 
     @classmethod
     def for_recipe(cls, mp: MixedPrecision) -> Rules:
@@ -421,6 +421,13 @@ def _apply(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
     return _as_traced(eqn, invals)
 
 
+def _literal(v: jex.Literal) -> Any:
+    """A literal as a NumPy scalar of its traced dtype (so it can be cast like any value)."""
+    dtype = getattr(v.aval, "dtype", None)
+    return np.asarray(v.val, dtype) if dtype is not None and jnp.issubdtype(
+        dtype, jnp.number) else v.val
+
+
 def _eval_closed(closed: jex.ClosedJaxpr, args: Sequence[Any], rules: Rules) -> list:
     return _eval(closed.jaxpr, closed.consts, args, rules)
 
@@ -429,7 +436,7 @@ def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: R
     """Evaluates ``jaxpr`` on ``args`` (of any floating dtypes) applying ``rules``."""
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
+    read = lambda v: _literal(v) if isinstance(v, jex.Literal) else env[v]
     plan = _plan(jaxpr, rules)
     for i, eqn in enumerate(jaxpr.eqns):
         if not plan.live[i]:
@@ -513,7 +520,7 @@ def autocast(fn: Callable[..., Any], policy_or_mode: PolicyLike) -> Callable[...
       dtype('float32')
     """
     mp = to_mixed_precision(policy_or_mode)
-    rewritten = rewrite(fn, Rules.for_recipe(mp))
+    rewritten = rewrite(fn, dataclasses.replace(Rules.for_recipe(mp), cast_inputs=True))
 
     @functools.wraps(fn)
     def run(*args, **kwargs):

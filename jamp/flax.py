@@ -137,7 +137,7 @@ def _softmax_rules(mp: MixedPrecision) -> Rules | None:
     rules = Rules.for_recipe(mp)
     if not rules.softmax:
         return None
-    return dataclasses.replace(rules, cast_dots=False, float32_ops=False, cast_inputs=False)
+    return dataclasses.replace(rules, cast_dots=False, float32_ops=False)
 
 
 def _make_interceptor(mp: MixedPrecision):
