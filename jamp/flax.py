@@ -226,7 +226,15 @@ class PolicyModule(nn.Module):
         return self.run(None, *args, **kwargs)
 
     def run(self, method: Callable[..., Any] | str | None, *args, **kwargs):
-        """Runs ``method`` of the wrapped module under the policy; output in the output dtype."""
+        """Runs ``method`` of the wrapped module under the policy; output in the output dtype.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn, jamp
+          >>> model = jamp.apply_policy(nn.Dense(2), "bf16")
+          >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
+          >>> model.bind(v).run("__call__", jnp.ones((1, 3))).dtype
+          dtype('float32')
+        """
         fn = _inner_method(self.inner, method)
         with nn.intercept_methods(_make_interceptor(self.precision)):
             out = fn(self.inner, *args, **kwargs)
@@ -246,6 +254,20 @@ class PolicyModule(nn.Module):
         log-softmax of half-precision logits runs in float32, wherever it is
         called from (``nn.softmax``, ``jax.nn.softmax``,
         ``nn.dot_product_attention_weights``...).
+
+        Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn, jamp
+          >>> class Seq2seq(nn.Module):
+          ...   def setup(self):
+          ...     self.enc, self.dec = nn.Dense(4), nn.Dense(2)
+          ...   def encode(self, x):
+          ...     return self.enc(x)
+          ...   def __call__(self, x):
+          ...     return self.dec(self.encode(x))
+          >>> model = jamp.apply_policy(Seq2seq(), "fp16")
+          >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
+          >>> model.apply(v, jnp.ones((1, 3)), method="encode").dtype
+          dtype('float32')
         """
         apply = functools.partial(super().apply, method=self._method(method))
         rules = _softmax_rules(self.precision)
@@ -254,7 +276,15 @@ class PolicyModule(nn.Module):
         return apply(variables, *args, **kwargs)
 
     def init_with_output(self, rngs, *args, method=None, **kwargs):
-        """``nn.Module.init_with_output``, with ``method`` taken from the wrapped module."""
+        """``nn.Module.init_with_output``, with ``method`` taken from the wrapped module.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn, jamp
+          >>> out, v = jamp.apply_policy(nn.Dense(2), "fp16").init_with_output(
+          ...     jax.random.key(0), jnp.ones((1, 3)))
+          >>> out.dtype, v["params"]["kernel"].dtype
+          (dtype('float32'), dtype('float32'))
+        """
         return super().init_with_output(rngs, *args, method=self._method(method), **kwargs)
 
 
