@@ -17,9 +17,12 @@ written without any dtype arguments:
   dtype); attention softmax runs in float32 when the mode says so;
 - the top-level output is cast to the policy's output dtype.
 
-Custom modules that call ``self.param`` directly control their own parameter
-dtype: give them ``dtype``/``param_dtype`` fields (the Flax convention) and jamp
-sets those too.
+Parameters created by any module, custom ``self.param`` calls included, are
+drawn in float32, stored rounded to the param dtype and read in the compute
+dtype, so every mode starts from the same weights and a custom ``x @ w`` runs
+in the compute dtype; RNN carries keep their dtype; in modes with a float32
+softmax every softmax of half-precision logits is rewritten to
+:func:`jamp.attention.softmax_fp32` (see the README, "Which models").
 
 Example:
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jamp
