@@ -6,27 +6,11 @@ jitted mesh step, metrics every ``log_every_steps``, evaluation every
 ``eval_every_epochs``, a checkpoint every ``checkpoint_every_steps``; the run ends
 with ``summary.json`` and ``training.png`` (process 0 writes them).
 
-Example (the loop's pieces by hand: one step, the memory report, an evaluation):
-  >>> import jax, flax.linen as nn, jamp
-  >>> from jamp import data, parallel
-  >>> from jamp.config import vit_config
-  >>> config = vit_config("fp16")
-  >>> config.num_layers, config.hidden_size, config.mlp_dim = 1, 16, 32
-  >>> exp = build_experiment(config)
-  >>> rng = jax.random.key(0)
-  >>> with jax.set_mesh(exp.mesh):
-  ...     _, shardings = state_shardings(exp, rng)
-  ...     state = init_state(exp, rng, shardings)
-  >>> local = next(iter(data.train_loader(exp.info, image_size=8, global_batch_size=64)))
-  >>> batch = jax.device_put(local, parallel.batch_sharding(exp.mesh))
-  >>> with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
-  ...     state, metrics = jit_train_step(exp, shardings)(state, batch, rng)
-  ...     memory = step_memory_report(exp, state)
-  ...     scores = evaluate(exp, state, jax.jit(jamp.eval_step))
-  >>> int(state.step), float(metrics["loss_scale"]), bool(metrics["grad_finite"])
-  (1, 65536.0, True)
-  >>> memory.residual_bytes > 0, sorted(scores)
-  (True, ['eval/accuracy', 'eval/loss'])
+The loop's pieces can be used by hand: ``build_experiment(config)``, then under
+``jax.set_mesh(exp.mesh)`` ``state_shardings``/``init_state``, and under the
+logical axis rules ``jit_train_step(exp, shardings)(state, batch, rng)``,
+``step_memory_report(exp, state)`` and ``evaluate(exp, state, p_eval)``
+(``tests/test_train.py`` and ``tests/test_parallel.py`` run them).
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ never looks at the mesh). Parameters and activations carry logical axis names
 Example:
   >>> import jax, jax.numpy as jnp, jamp
   >>> from jamp.models import vit
-  >>> model = jamp.apply_policy(vit.create("ti", num_classes=10, patch_size=4, num_layers=2),
-  ...                            "bf16")
-  >>> variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
-  >>> model.apply(variables, jnp.zeros((2, 16, 16, 3))).shape
+  >>> module = vit.create("ti", num_classes=10, patch_size=4, num_layers=2, hidden_size=16,
+  ...                     num_heads=2, mlp_dim=32)
+  >>> model = jamp.apply_policy(module, "bf16")
+  >>> variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
+  >>> jax.jit(model.apply)(variables, jnp.zeros((2, 16, 16, 3))).shape
   (2, 10)
 """
 
