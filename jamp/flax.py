@@ -15,6 +15,12 @@ written without any dtype arguments:
 - modules of an overridden class (by default the norms) compute in their own
   policy's dtype (float32) and return its output dtype (the model's compute
   dtype); attention softmax runs in float32 when the mode says so;
+- modules whose path (``module.path`` joined with ``"/"``: ``"head"``,
+  ``"Encoder_0/Dense_1"``, ``"ScanBlock_0/Dense_0"`` inside ``nn.scan``) a path
+  pattern of the overrides matches in full run under that pattern's policy,
+  which beats their class's (see :class:`jamp.MixedPrecision`); when the model
+  is initialised through ``__call__``, a pattern that matched no module called
+  is an error;
 - the top-level output is cast to the policy's output dtype.
 
 Parameters created by any module, custom ``self.param`` calls included, are
@@ -41,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -53,7 +59,14 @@ from flax import nnx
 import jamp.nnx as jamp_nnx
 from jamp import attention
 from jamp.autocast import Rules, cast_floating, rewrite
-from jamp.policy import MixedPrecision, Policy, PolicyLike, to_mixed_precision
+from jamp.policy import (
+    MixedPrecision,
+    OverrideKey,
+    Policy,
+    PolicyLike,
+    module_path,
+    to_mixed_precision,
+)
 
 _cast_floating = cast_floating
 
@@ -143,18 +156,43 @@ def _softmax_rules(mp: MixedPrecision) -> Rules | None:
     return dataclasses.replace(rules, cast_dots=False, float32_ops=False)
 
 
-def _make_interceptor(mp: MixedPrecision):
-    overridden = tuple(cls for cls, _ in mp.overrides)
+@dataclasses.dataclass
+class _Paths:
+    """Module paths called while a model initialises, for ``MixedPrecision.check_paths``."""
+
+    seen: set[str] = dataclasses.field(default_factory=set)
+    initialised: bool = False  # the root's __call__ ran under init: every module was reached
+
+    def check(self, mp: MixedPrecision, model: str) -> None:
+        if self.initialised:
+            mp.check_paths(self.seen, model)
+
+
+def _relative_path(module: nn.Module, root: Sequence[str]) -> str | None:
+    """``module``'s path below ``root`` joined with "/" (None for an unbound module)."""
+    if module.scope is None:
+        return None
+    path = module.path
+    return module_path(path[len(root):] if tuple(path[:len(root)]) == tuple(root) else path)
+
+
+def _make_interceptor(mp: MixedPrecision, root: Sequence[str] = (), paths: _Paths | None = None):
+    has_patterns = bool(mp.path_overrides)
 
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
-        policy = mp.policy_for(type(module))
+        path = _relative_path(module, root) if has_patterns else None
+        if paths is not None and path is not None and module.is_initializing():
+            paths.seen.add(path)
+            paths.initialised |= path == "" and context.method_name == "__call__"
+        override = mp.override_for(type(module), path)
+        policy = mp.policy if override is None else override
         _configure(module, mp, policy)
         if context.method_name == "setup":
             return next_fun(*args, **kwargs)
         out = next_fun(*_cast_floating(args, policy.compute_dtype),
                        **_cast_floating(kwargs, policy.compute_dtype))
-        if overridden and isinstance(module, overridden):
+        if override is not None:
             out = _cast_floating(out, policy.output_dtype)
         return _keep_carry_dtype(out, args)
 
@@ -163,17 +201,20 @@ def _make_interceptor(mp: MixedPrecision):
 
 @contextlib.contextmanager
 def policy_scope(
-    policy_or_mode: PolicyLike, overrides: Mapping[type, Any] | None = None
+    policy_or_mode: PolicyLike, overrides: Mapping[OverrideKey, Any] | None = None
 ) -> Iterator[MixedPrecision]:
     """Runs every Flax module call inside the block under a precision policy.
 
     For code that calls ``module.init``/``module.apply`` itself. Unlike
     :func:`apply_policy` it does not cast the top-level output: use
-    ``mp.policy.cast_to_output`` on it.
+    ``mp.policy.cast_to_output`` on it. Path patterns match paths from the root
+    module ``init``/``apply`` is called on; a pattern that matched no module is
+    reported when the block ends, if a root module was initialised in it.
 
     Args:
       policy_or_mode: a mode name, policy string, ``Policy`` or ``MixedPrecision``.
-      overrides: optional per-class policies replacing the mode's overrides.
+      overrides: optional ``{module class or path pattern: policy}``, as for
+        :func:`apply_policy`.
 
     Yields:
       The ``MixedPrecision`` in force.
@@ -187,8 +228,10 @@ def policy_scope(
       dtype(bfloat16)
     """
     mp = to_mixed_precision(policy_or_mode, overrides)
-    with nn.intercept_methods(_make_interceptor(mp)):
+    paths = _Paths()
+    with nn.intercept_methods(_make_interceptor(mp, (), paths)):
         yield mp
+    paths.check(mp, "the modules initialised in policy_scope")
 
 
 def _inner_method(inner: nn.Module, method: Callable[..., Any] | str | None) -> Callable:
@@ -239,8 +282,10 @@ class PolicyModule(nn.Module):
           dtype('float32')
         """
         fn = _inner_method(self.inner, method)
-        with nn.intercept_methods(_make_interceptor(self.precision)):
+        paths = _Paths()
+        with nn.intercept_methods(_make_interceptor(self.precision, self.path, paths)):
             out = fn(self.inner, *args, **kwargs)
+        paths.check(self.precision, type(self.inner).__name__)
         return _cast_floating(out, self.precision.policy.output_dtype)
 
     def _method(self, method: Any) -> Callable[..., Any]:
@@ -294,30 +339,53 @@ class PolicyModule(nn.Module):
 def apply_policy(
     module: nn.Module | nnx.Module,
     policy_or_mode: PolicyLike,
-    overrides: Mapping[type, Any] | None = None,
+    overrides: Mapping[OverrideKey, Any] | None = None,
 ) -> PolicyModule | nnx.Module:
     """Returns ``module`` wrapped to run under a precision policy.
 
     The result is a normal Flax module: use ``init``/``apply`` as usual. The
     parameter tree is the same as ``module``'s; parameters are created in the
-    param dtype, every submodule computes in the compute dtype (except classes
+    param dtype, every submodule computes in the compute dtype (except modules
     with an override: by default the norms run in float32 and return the
     compute dtype, and attention softmax runs in float32), and the top-level
     output is in the output dtype.
 
+    Overrides come in two kinds. A *module class* key applies to that class and
+    its subclasses. A *string* key is a regular expression matched in full
+    (``re.fullmatch``, as Keras 3's ``DTypePolicyMap``) against each module's
+    path, its names joined with ``"/"``: ``"head"``, ``"Conv_0"``,
+    ``"Encoder_0/.*"`` (the modules inside ``Encoder_0``); the paths are those of
+    ``module.init``'s parameter tree, ``setup`` attribute names and lifted
+    modules (``"ScanBlock_0/Dense_0"``) included. A path pattern beats a class
+    override, which beats the mode's policy. A key equal to the path wins;
+    otherwise a path matched by two patterns is a ``ValueError`` naming both,
+    raised when the module is first reached (at ``init``); a pattern matching no
+    module called by ``init`` through ``__call__`` is a ``ValueError`` naming it
+    and listing the real paths. Values are policies or policy strings
+    (``"f32"``, ``"p=f32,c=bf16,o=f32"``); a module under an override returns
+    its override's output dtype.
+
     An ``nnx.Module`` is put under the policy in place and returned (see
-    :mod:`jamp.nnx`).
+    :mod:`jamp.nnx`); its paths are graph paths (``"blocks/0/mlp"``).
 
     Args:
       module: any ``flax.linen.Module``, with or without dtype arguments, or
         any ``flax.nnx.Module``.
       policy_or_mode: a mode name (``"fp16"``, ``"bf16"``, ``"O2"``...), a
         jmp-style policy string, a ``jamp.Policy`` or a ``jamp.MixedPrecision``.
-      overrides: optional ``{module class: policy}``; replaces the mode's
-        overrides. A subclass follows its parent's override unless it has its own.
+      overrides: optional ``{module class or path pattern: policy}``. Its classes
+        replace the mode's class overrides (the float32 norms: pass them along to
+        keep them) and its patterns the recipe's patterns; a kind it does not
+        mention is kept, so ``{"head": "f32"}`` keeps the float32 norms (see
+        :func:`jamp.policy.replace_overrides`). A subclass follows its parent's
+        override unless it has its own.
 
     Returns:
       A :class:`PolicyModule` wrapping ``module``.
+
+    Raises:
+      ValueError: for an override key that is neither a module class nor a valid
+        regular expression, or a value that is not a policy.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jamp
@@ -325,6 +393,17 @@ def apply_policy(
       >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
       >>> v["params"]["kernel"].dtype
       dtype(bfloat16)
+
+      Keep the classifier head in float32 (bfloat16 elsewhere):
+
+      >>> class Net(nn.Module):
+      ...   @nn.compact
+      ...   def __call__(self, x):
+      ...     return nn.Dense(2, name="head")(nn.relu(nn.Dense(8)(x)))
+      >>> model = jamp.apply_policy(Net(), "bf16_pure", overrides={"head": "f32"})
+      >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
+      >>> v["params"]["head"]["kernel"].dtype, v["params"]["Dense_0"]["kernel"].dtype
+      (dtype('float32'), dtype(bfloat16))
     """
     if isinstance(module, nnx.Module):  # NNX: the same policy, in place (jamp.nnx)
         return jamp_nnx.apply_policy(module, policy_or_mode, overrides)

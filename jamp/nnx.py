@@ -15,6 +15,11 @@ distance, in place:
 - modules of an overridden class (by default ``nnx.LayerNorm``,
   ``nnx.BatchNorm``, ``nnx.GroupNorm``, ``nnx.RMSNorm``) keep float32
   parameters and compute in float32, returning the model's compute dtype;
+- modules whose graph path (names and list indices joined with ``"/"``:
+  ``"head"``, ``"blocks/0/mlp"``) a path pattern of the overrides matches in
+  full run under that pattern's policy, which beats their class's (see
+  :class:`jamp.MixedPrecision`); patterns are checked when the policy is
+  applied: one matching no module, or a path two patterns match, is an error;
 - in modes whose softmax runs in float32, every softmax and log-softmax of
   half-precision logits (``nnx.MultiHeadAttention``, custom attention calling
   ``jax.nn.softmax``) runs in float32 keeping half-precision residuals
@@ -56,7 +61,14 @@ from flax import nnx
 
 from jamp import attention
 from jamp.autocast import Rules, rewrite
-from jamp.policy import MixedPrecision, PolicyLike, to_mixed_precision
+from jamp.policy import (
+    MixedPrecision,
+    OverrideKey,
+    Policy,
+    PolicyLike,
+    module_path,
+    to_mixed_precision,
+)
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -78,31 +90,38 @@ def _modules(module: nnx.Module) -> dict[tuple, nnx.Module]:
     return {path: node for path, node in nnx.iter_graph(module) if isinstance(node, nnx.Module)}
 
 
-def _params(module: nnx.Module) -> Iterator[tuple[nnx.Module, nnx.Param]]:
-    """``(owner, param)`` for every floating ``nnx.Param``; the owner is its nearest module."""
+def _policy(mp: MixedPrecision, path: tuple, node: nnx.Module) -> Policy:
+    return mp.policy_for(type(node), module_path(path))
+
+
+def _params(module: nnx.Module) -> Iterator[tuple[tuple, nnx.Module, nnx.Param]]:
+    """``(owner path, owner, param)`` for every floating ``nnx.Param``; the owner is its
+    nearest module."""
     modules = _modules(module)
     for path, node in nnx.iter_graph(module):
         if isinstance(node, nnx.Param) and _floating(node.get_value()):
-            owner = next(modules[path[:i]] for i in reversed(range(len(path)))
-                         if path[:i] in modules)
-            yield owner, node
+            owner = next(path[:i] for i in reversed(range(len(path))) if path[:i] in modules)
+            yield owner, modules[owner], node
 
 
 def _check(module: nnx.Module, mp: MixedPrecision) -> None:
     """Raises for an already-policied module or an override NNX layers cannot honour."""
-    for node in _modules(module).values():
+    modules = _modules(module)
+    mp.check_paths((module_path(path) for path in modules), type(module).__name__)
+    for path, node in modules.items():
         done = getattr(type(node), "_jamp_precision", None)
         if done is not None:
             raise ValueError(
                 f"{type(node).__name__} already runs under the jamp policy {done.name!r} "
                 f"({done.policy}); apply_policy once, to a model created without one.")
-        policy = mp.policy_for(type(node))
-        if (policy is not mp.policy and not isinstance(node, NORMS)
+        policy = mp.override_for(type(node), module_path(path))
+        if (policy is not None and not isinstance(node, NORMS)
                 and jnp.dtype(policy.output_dtype) != jnp.dtype(policy.compute_dtype)):
             raise ValueError(
-                f"Cannot apply the override {policy} to {type(node).__name__}: an NNX layer "
-                "returns its compute dtype, so its override needs output == compute (e.g. "
-                "'f32'); only the norms compute in float32 and return another dtype.")
+                f"Cannot apply the override {policy} to {type(node).__name__} at path "
+                f"{module_path(path)!r}: an NNX layer returns its compute dtype, so its "
+                "override needs output == compute (e.g. 'f32'); only the norms compute in "
+                "float32 and return another dtype.")
 
 
 def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
@@ -136,8 +155,8 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
 
 def _configure(module: nnx.Module, mp: MixedPrecision) -> None:
     """Sets layers' dtype attributes and rounds every Param to its param dtype (in place)."""
-    for node in _modules(module).values():
-        policy = mp.policy_for(type(node))
+    for path, node in _modules(module).items():
+        policy = _policy(mp, path, node)
         if (isinstance(node, nnx.MultiHeadAttention)
                 and jnp.dtype(policy.compute_dtype) != jnp.float32
                 and node.attention_fn is nnx.dot_product_attention):
@@ -148,13 +167,13 @@ def _configure(module: nnx.Module, mp: MixedPrecision) -> None:
             node.dtype = policy.output_dtype if isinstance(node, NORMS) else policy.compute_dtype
         if "param_dtype" in vars(node):
             node.param_dtype = policy.param_dtype
-    for owner, param in _params(module):
-        param.set_value(param.get_value().astype(mp.policy_for(type(owner)).param_dtype))
+    for path, owner, param in _params(module):
+        param.set_value(param.get_value().astype(_policy(mp, path, owner).param_dtype))
 
 
 def _read_in_compute_dtype(module: nnx.Module, mp: MixedPrecision) -> None:
-    for owner, param in list(_params(module)):
-        dtype = jnp.dtype(mp.policy_for(type(owner)).compute_dtype)
+    for path, owner, param in list(_params(module)):
+        dtype = jnp.dtype(_policy(mp, path, owner).compute_dtype)
         if param.get_value().dtype != dtype:
             param.set_value(param.get_value().astype(dtype))
 
@@ -219,7 +238,7 @@ def policy_of(module: nnx.Module) -> MixedPrecision | None:
 
 
 def apply_policy(module: M, policy_or_mode: PolicyLike,
-                 overrides: Mapping[type, Any] | None = None) -> M:
+                 overrides: Mapping[OverrideKey, Any] | None = None) -> M:
     """Puts an NNX model under a precision policy, in place, and returns it.
 
     See the module docstring for what changes. ``jamp.apply_policy`` calls this
@@ -229,15 +248,21 @@ def apply_policy(module: M, policy_or_mode: PolicyLike,
       module: any ``nnx.Module``, created as usual (in float32).
       policy_or_mode: a mode name, a jmp-style policy string, a ``jamp.Policy``
         or a ``jamp.MixedPrecision``.
-      overrides: optional ``{module class: policy}`` replacing the mode's
-        overrides (a subclass follows its parent's).
+      overrides: optional ``{module class or path pattern: policy}``, as for
+        linen (:func:`jamp.apply_policy`): a class applies to its subclasses too;
+        a string is a regular expression matched in full against each module's
+        graph path, names and list indices joined with ``"/"`` (``"head"``,
+        ``"blocks/0/mlp"``, ``"blocks/.*"``), and beats a class. Classes replace
+        the mode's class overrides, patterns its patterns.
 
     Returns:
       ``module`` itself, whose class is now a policy subclass of its class.
 
     Raises:
-      ValueError: if a module in ``module`` already runs under a policy, or an
-        override returns a dtype other than its compute dtype on a non-norm layer.
+      ValueError: if a module in ``module`` already runs under a policy; an
+        override returns a dtype other than its compute dtype on a non-norm
+        layer; a path pattern matches no module path (listing them) or a path
+        matches two patterns (naming both).
 
     Example:
       >>> import jax.numpy as jnp, jamp
@@ -245,6 +270,16 @@ def apply_policy(module: M, policy_or_mode: PolicyLike,
       >>> model = jamp.apply_policy(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), "bf16_pure")
       >>> model.kernel.dtype, model(jnp.ones((1, 3))).dtype
       (dtype(bfloat16), dtype(bfloat16))
+
+      Keep the classifier head in float32 (bfloat16 elsewhere):
+
+      >>> class Net(nnx.Module):
+      ...   def __init__(self, rngs):
+      ...     self.blocks = nnx.List([nnx.Linear(3, 3, rngs=rngs) for _ in range(2)])
+      ...     self.head = nnx.Linear(3, 2, rngs=rngs)
+      >>> net = jamp.apply_policy(Net(nnx.Rngs(0)), "bf16_pure", overrides={"head": "f32"})
+      >>> net.head.kernel.dtype, net.blocks[1].kernel.dtype
+      (dtype('float32'), dtype(bfloat16))
     """
     if not isinstance(module, nnx.Module):
         raise TypeError(f"expected an nnx.Module, got {type(module).__name__}.")

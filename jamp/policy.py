@@ -6,8 +6,10 @@ module computes, and in which dtype it returns its output. jamp reuses
 errors that list what is valid.
 
 :func:`mixed_precision` turns a mode name ("fp16", "bf16", "O2", "16-mixed", ...)
-into a :class:`MixedPrecision` recipe: the policy, the per-module-class
-overrides, the loss-scaling recipe and whether fp32 master weights are kept.
+into a :class:`MixedPrecision` recipe: the policy, the overrides (per module
+class, and per module path: regular expressions like Keras 3's
+``DTypePolicyMap``), the loss-scaling recipe and whether fp32 master weights are
+kept.
 
 Example:
   >>> import jamp
@@ -21,7 +23,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import difflib
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -34,7 +38,10 @@ from jamp.loss_scale import LossScaleConfig
 Policy = jmp.Policy
 """``jmp.Policy``: a frozen dataclass ``(param_dtype, compute_dtype, output_dtype)``."""
 
-Overrides = tuple[tuple[type, Policy], ...]
+OverrideKey = type | str
+"""A module class, or a regular expression matched in full against a module path."""
+
+Overrides = tuple[tuple[OverrideKey, Policy], ...]
 
 _KEYS = ("params", "compute", "output")
 _KEY_ALIASES = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
@@ -136,21 +143,80 @@ def float32_overrides(policy: Policy) -> Overrides:
     return tuple((cls, norm) for cls in _norm_classes())
 
 
+def module_path(path: str | Sequence[Any]) -> str:
+    """A module path as override patterns see it: its names joined with ``"/"``.
+
+    Linen paths are ``module.path`` (``("Encoder_0", "Dense_1")``); NNX paths are
+    graph paths, where list items are numbered (``("blocks", 0, "mlp")``). The
+    root module's path is ``""``.
+
+    Example:
+      >>> import jamp
+      >>> jamp.policy.module_path(("blocks", 0, "mlp"))
+      'blocks/0/mlp'
+    """
+    if isinstance(path, str):
+        return path
+    return "/".join(str(name) for name in path)
+
+
+def _check_override_key(key: object) -> None:
+    if isinstance(key, str):
+        try:
+            re.compile(key)
+        except re.error as error:
+            raise ValueError(
+                f"Invalid override pattern {key!r}: {error}. A string key of overrides is a "
+                "Python regular expression matched in full against module paths such as "
+                "'Encoder_0/Dense_1' (linen) or 'blocks/0/mlp' (NNX); escape special "
+                "characters with re.escape(...).") from None
+    elif not (isinstance(key, type) and issubclass(key, nn.Module | nnx.Module)):
+        raise ValueError(
+            "overrides keys must be flax.linen.Module or flax.nnx.Module subclasses, or "
+            f"module-path patterns (str, e.g. 'head' or 'Encoder_0/.*'), got {key!r}.")
+
+
+def _override_policy(key: OverrideKey, spec: Any) -> Policy:
+    try:
+        return get_policy(spec)
+    except ValueError as error:
+        raise ValueError(f"overrides[{key!r}]: {error}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
     """A named mixed-precision recipe: everything a mode decides.
 
+    A module runs under the first of these that applies to it (precedence):
+
+    1. a *path pattern* of ``overrides`` matching its module path;
+    2. a *class* of ``overrides`` in its MRO (the first one: subclasses follow
+       their parent unless they have their own);
+    3. ``policy``.
+
+    Path patterns are Python regular expressions matched in full
+    (``re.fullmatch``) against the path of each module, names joined with
+    ``"/"`` (:func:`module_path`): ``"head"`` matches the module ``head`` only,
+    not ``head_norm`` nor ``head``'s submodules (``"head(/.*)?"`` covers the
+    subtree, ``"Encoder_0/.*"`` the modules inside ``Encoder_0``). As in Keras
+    3's ``DTypePolicyMap``, a key equal to the path itself wins; otherwise a
+    path matched by two patterns is an error naming both.
+
     Attributes:
       name: canonical mode name ("fp32", "fp16", "bf16", ...).
       policy: model-wide param/compute/output dtypes.
-      overrides: ``(module class, Policy)`` pairs; a module uses the policy of the
-        first class in its MRO that has one (so subclasses follow their parent).
+      overrides: ``(module class or path pattern, Policy)`` pairs (a mapping, and
+        policy strings such as ``"f32"``, are accepted and normalised).
       softmax_fp32: compute attention softmax in float32.
       loss_scale: a :class:`~jamp.loss_scale.LossScaleConfig`: the kind ("none",
         "static" or "dynamic") and every scaling setting, ``divergence_steps``
         included.
       master_weights: keep fp32 master copies of half-precision params in the
         optimizer state (apex O2 / Colossal-AI naive AMP).
+
+    Raises:
+      ValueError: for an override key that is neither a module class nor a valid
+        regular expression (naming it), or a value that is not a policy.
 
     Example:
       >>> import jamp
@@ -176,28 +242,128 @@ class MixedPrecision:
         object.__setattr__(self, "policy", get_policy(self.policy))
         if isinstance(self.overrides, Mapping):
             object.__setattr__(self, "overrides", tuple(self.overrides.items()))
-        overrides = tuple((cls, get_policy(p)) for cls, p in self.overrides)
-        for cls, _ in overrides:
-            if not (isinstance(cls, type) and issubclass(cls, nn.Module | nnx.Module)):
-                raise ValueError(
-                    f"overrides keys must be flax.linen.Module or flax.nnx.Module subclasses, "
-                    f"got {cls!r}."
-                )
+        for key, _ in self.overrides:
+            _check_override_key(key)
+        overrides = tuple((key, _override_policy(key, p)) for key, p in self.overrides)
         object.__setattr__(self, "overrides", overrides)
 
-    def policy_for(self, module_cls: type) -> Policy:
-        """Returns the policy a module of ``module_cls`` runs under.
+    @property
+    def path_overrides(self) -> tuple[tuple[str, Policy], ...]:
+        """The ``(path pattern, Policy)`` pairs of ``overrides``.
+
+        Example:
+          >>> import jamp
+          >>> mp = jamp.mixed_precision("bf16", overrides={"head": "f32"})
+          >>> [(pattern, str(p)) for pattern, p in mp.path_overrides]
+          [('head', 'p=full,c=full,o=full')]
+        """
+        return tuple((k, p) for k, p in self.overrides if isinstance(k, str))
+
+    def override_for(self, module_cls: type, path: str | Sequence[Any] | None = None
+                     ) -> Policy | None:
+        """The override a module runs under, or ``None`` if it runs under ``policy``.
+
+        Args:
+          module_cls: the module's class.
+          path: its module path (a string, or names joined with ``"/"``); ``None``
+            looks at class overrides only.
+
+        Raises:
+          ValueError: if two path patterns match ``path`` (neither equal to it),
+            naming both and the path.
+
+        Example:
+          >>> import jamp, flax.linen as nn
+          >>> mp = jamp.mixed_precision("fp16", overrides={"head": "f32"})
+          >>> str(mp.override_for(nn.Dense, "head")), mp.override_for(nn.Dense, "Dense_0")
+          ('p=full,c=full,o=full', None)
+        """
+        if path is not None:
+            path = module_path(path)
+            patterns = self.path_overrides
+            for pattern, policy in patterns:
+                if pattern == path:
+                    return policy
+            hits = [(pattern, policy) for pattern, policy in patterns
+                    if re.fullmatch(pattern, path)]
+            if len(hits) > 1:
+                names = " and ".join(repr(pattern) for pattern, _ in hits)
+                raise ValueError(
+                    f"Module path {path!r} matches the override patterns {names}: a path may "
+                    "match at most one pattern. Make the patterns exclusive (e.g. "
+                    "'(?!head$).*' for every path but 'head') or add the path itself as a key "
+                    "(a key equal to the path wins).")
+            if hits:
+                return hits[0][1]
+        classes = {key: policy for key, policy in self.overrides if not isinstance(key, str)}
+        for klass in module_cls.__mro__:
+            if klass in classes:
+                return classes[klass]
+        return None
+
+    def policy_for(self, module_cls: type, path: str | Sequence[Any] | None = None) -> Policy:
+        """Returns the policy a module of ``module_cls`` at ``path`` runs under.
+
+        A path pattern matching ``path`` beats a class override, which beats
+        ``policy`` (see the class docstring); without ``path`` only classes count.
+
+        Raises:
+          ValueError: if two path patterns match ``path``, naming both.
 
         Example:
           >>> import jamp, flax.linen as nn
           >>> str(jamp.mixed_precision("fp16").policy_for(nn.Dense))
           'p=full,c=f16,o=full'
+          >>> mp = jamp.mixed_precision("fp16", overrides={"head": "f32"})
+          >>> str(mp.policy_for(nn.Dense, ("head",))), str(mp.policy_for(nn.LayerNorm, "norm"))
+          ('p=full,c=full,o=full', 'p=full,c=full,o=f16')
         """
-        table = dict(self.overrides)
-        for klass in module_cls.__mro__:
-            if klass in table:
-                return table[klass]
-        return self.policy
+        override = self.override_for(module_cls, path)
+        return self.policy if override is None else override
+
+    def check_paths(self, paths: Iterable[str | Sequence[Any]], model: str = "the model"
+                    ) -> None:
+        """Raises unless every path pattern matches one of ``paths`` and none is ambiguous.
+
+        :func:`jamp.apply_policy` calls it with every module path of an NNX model,
+        and with the paths of the linen modules called when the model is
+        initialised with ``__call__``, so a misspelt pattern does not silently
+        leave a layer in half precision.
+
+        Args:
+          paths: the module paths of a model.
+          model: how to name the model in the error.
+
+        Raises:
+          ValueError: naming a pattern that matches none of ``paths`` (with close
+            matches and a few real paths), or a path two patterns match.
+
+        Example:
+          >>> import jamp
+          >>> mp = jamp.mixed_precision("fp16", overrides={"haed": "f32"})
+          >>> try:
+          ...   mp.check_paths(["Dense_0", "head"])
+          ... except ValueError as e:
+          ...   print(str(e)[:58], "Did you mean 'head'?" in str(e))
+          The override pattern 'haed' matches no module of the model True
+        """
+        paths = sorted({module_path(p) for p in paths})
+        for path in paths:
+            self.override_for(nn.Module, path)
+        unmatched = [pattern for pattern, _ in self.path_overrides
+                     if not any(pattern == p or re.fullmatch(pattern, p) for p in paths)]
+        if unmatched:
+            pattern = unmatched[0]
+            close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+            others = (f" (nor do {', '.join(map(repr, unmatched[1:]))})"
+                      if len(unmatched) > 1 else "")
+            shown = ", ".join(repr(p) for p in paths[:12]) + (", ..." if len(paths) > 12 else "")
+            raise ValueError(
+                f"The override pattern {pattern!r} matches no module of {model}{others}: a "
+                f"pattern must match a module path in full, names joined with '/'; the paths "
+                f"are {shown}.{hint} A pattern names modules, not parameters; 'Encoder_0/.*' "
+                "covers the modules inside Encoder_0.")
 
 
 def _mode_table() -> dict[str, dict[str, Any]]:
@@ -255,7 +421,9 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
     Args:
       name: a mode name or alias, or an existing ``MixedPrecision``.
       **overrides: replace individual fields, e.g. ``policy="p=f32,c=bf16,o=f32"``,
-        ``master_weights=True``; and the loss-scale settings by name
+        ``master_weights=True``, ``overrides={"head": "f32"}`` (replaces the
+        mode's overrides of the same kind, classes or path patterns: see
+        :func:`replace_overrides`); and the loss-scale settings by name
         (``init_scale=2**15``, ``hysteresis=1``, ``divergence_steps=20``, ...), or
         ``loss_scale="dynamic"`` / a whole ``LossScaleConfig``.
 
@@ -290,9 +458,14 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
             f"Unknown field(s) {', '.join(unknown)} for mixed_precision({base.name!r}). "
             f"Valid fields: {', '.join(sorted(fields | scaling))}."
         )
-    if "policy" in overrides and "overrides" not in overrides and base.overrides:
+    base_overrides = base.overrides
+    if "policy" in overrides and _classes(base.overrides):
         # Norms return the compute dtype: follow a replaced policy.
-        overrides["overrides"] = float32_overrides(get_policy(overrides["policy"]))
+        default = float32_overrides(get_policy(overrides["policy"]))
+        base_overrides = replace_overrides(base.overrides, default)
+    if "overrides" in overrides or base_overrides is not base.overrides:
+        overrides["overrides"] = replace_overrides(
+            base_overrides, overrides.get("overrides", base_overrides))
     settings = {k: overrides.pop(k) for k in sorted(scaling & set(overrides))}
     config = overrides.pop("loss_scale", base.loss_scale)
     if isinstance(config, str):
@@ -310,6 +483,38 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
     return dataclasses.replace(base, **overrides)
 
 
+def _classes(overrides: Overrides) -> Overrides:
+    return tuple((k, p) for k, p in overrides if not isinstance(k, str))
+
+
+def replace_overrides(base: Iterable[tuple[OverrideKey, Any]],
+                      new: Mapping[OverrideKey, Any] | Iterable[tuple[OverrideKey, Any]]
+                      ) -> tuple[tuple[OverrideKey, Any], ...]:
+    """``base`` overrides with those of ``new`` in place of the same kind.
+
+    Class keys of ``new`` replace every class override of ``base`` (pass the
+    mode's ones along to keep them); path patterns of ``new`` replace every path
+    override of ``base``; a kind ``new`` does not mention is kept. So
+    ``{"head": "f32"}`` keeps the mode's float32 norms, and ``{nn.Dense: "f32"}``
+    drops them. An empty ``new`` removes every override.
+
+    Example:
+      >>> import jamp, flax.linen as nn
+      >>> base = jamp.mixed_precision("fp16").overrides
+      >>> kept = jamp.policy.replace_overrides(base, {"head": "f32"})
+      >>> len(kept) == len(base) + 1, len(jamp.policy.replace_overrides(base, {nn.Dense: "f32"}))
+      (True, 1)
+    """
+    base = tuple(base)
+    new = tuple(new.items()) if isinstance(new, Mapping) else tuple(new)
+    if not new:
+        return ()
+    has_path = any(isinstance(k, str) for k, _ in new)
+    has_class = any(not isinstance(k, str) for k, _ in new)
+    kept = tuple((k, p) for k, p in base if not (has_path if isinstance(k, str) else has_class))
+    return kept + new
+
+
 def _scaling_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(LossScaleConfig) if f.name != "kind"]
 
@@ -318,15 +523,17 @@ PolicyLike = str | Policy | MixedPrecision
 
 
 def to_mixed_precision(
-    policy_or_mode: PolicyLike, overrides: Mapping[type, Any] | None = None
+    policy_or_mode: PolicyLike, overrides: Mapping[OverrideKey, Any] | None = None
 ) -> MixedPrecision:
     """Normalises a mode name, policy string, ``Policy`` or ``MixedPrecision``.
 
     A mode name ("fp16", "O2", ...) gives that mode with its default overrides.
     A policy (``Policy`` or jmp-style string such as ``"p=f32,c=f16,o=f32"``)
     gives a recipe with that policy and no overrides. ``overrides``, when given,
-    maps module classes to policies (or policy strings) and replaces the
-    recipe's overrides.
+    maps module classes and module-path patterns to policies (or policy
+    strings); its classes replace the recipe's class overrides and its patterns
+    the recipe's patterns (:func:`replace_overrides`): ``{"head": "f32"}`` keeps
+    the mode's float32 norms.
 
     Example:
       >>> import jamp
@@ -354,5 +561,5 @@ def to_mixed_precision(
             f"got {type(policy_or_mode).__name__}."
         )
     if overrides is not None:
-        mp = dataclasses.replace(mp, overrides=tuple(overrides.items()))
+        mp = dataclasses.replace(mp, overrides=replace_overrides(mp.overrides, overrides))
     return mp
