@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
+from jamp import fp8
 from jamp.loss_scale import loss_scale, overflow_stats, scale_loss
 from jamp.master import master_weights
 from jamp.policy import PolicyLike, to_mixed_precision
@@ -158,6 +159,13 @@ def train_step(
         differentiates each 'data' shard's share and all-reduces the gradients in
         each parameter's dtype.
 
+    A :class:`jamp.fp8.TrainState` with delayed-scaling fp8 state (mode
+    ``"fp8"``) has it read by the forward pass and differentiated with the
+    parameters; its gradient (the new state) bypasses the optimizer and the
+    loss scale and is written back by :func:`jamp.fp8.commit`, only when the
+    loss scale applied the step (max-combined over ``optax.MultiSteps``
+    micro-batches and, on a mesh, over the 'data' shards).
+
     Returns:
       The new state and metrics: loss, accuracy, loss_scale (used for this
       step), grad_finite, steps_skipped, diverged.
@@ -165,16 +173,28 @@ def train_step(
     Example: see the module docstring.
     """
     scale = loss_scale(state.opt_state)
+    meta = getattr(state, "fp8", None) or None  # delayed-scaling fp8 state (jamp.fp8.TrainState)
 
-    def loss_fn(params, batch, rng):
-        logits = state.apply_fn({"params": params}, batch["image"], train=True,
-                                rngs={"dropout": rng})
+    def loss_fn(variables, batch, rng):
+        if meta is None:
+            variables = {"params": variables}
+        else:  # new fp8 state = its gradient, max-combined over uses and over a mesh
+            params, fp8_meta = variables
+            variables = {"params": params, fp8.COLLECTION: fp8.as_meta(fp8.reduce_amax(fp8_meta))}
+        logits = state.apply_fn(variables, batch["image"], train=True, rngs={"dropout": rng})
         loss = cross_entropy(logits, batch["label"], label_smoothing)
         accuracy = jnp.mean(correct_predictions(logits, batch["label"]))
         return scale_loss(loss, state.opt_state), {"loss": loss, "accuracy": accuracy}
 
-    (_, metrics), grads = value_and_grad(loss_fn)(state.params, batch, rng)
-    state = state.apply_gradients(grads=grads)
+    if meta is None:
+        (_, metrics), grads = value_and_grad(loss_fn)(state.params, batch, rng)
+        state = state.apply_gradients(grads=grads)
+    else:
+        (_, metrics), (grads, new_meta) = value_and_grad(loss_fn)((state.params, meta), batch, rng)
+        before = state.opt_state
+        state = state.apply_gradients(grads=grads)
+        # Not through the optimizer: kept only if the loss scale applied the step.
+        state = fp8.commit(state, new_meta, before, overflow_stats(state.opt_state).last_finite)
     stats = overflow_stats(state.opt_state)
     return state, dict(metrics, loss_scale=scale, grad_finite=stats.last_finite,
                        steps_skipped=stats.steps_skipped, diverged=stats.diverged)
@@ -195,7 +215,10 @@ def eval_step(state: train_state.TrainState, batch: dict[str, jax.Array]) -> dic
       >>> float(metrics["correct"]), float(metrics["count"])
       (1.0, 2.0)
     """
-    logits = state.apply_fn({"params": state.params}, batch["image"], train=False)
+    variables = {"params": state.params}
+    if getattr(state, "fp8", None):
+        variables[fp8.COLLECTION] = state.fp8
+    logits = state.apply_fn(variables, batch["image"], train=False)
     mask = batch.get("mask", jnp.ones(batch["label"].shape, bool)).astype(jnp.float32)
     logits = logits.astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])

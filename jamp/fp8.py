@@ -1,0 +1,543 @@
+"""fp8 matmuls for the ``"fp8"`` (delayed scaling) and ``"fp8_current"`` modes.
+
+An fp8 matmul quantizes both operands to ``float8_e4m3fn`` (E4M3: 3 mantissa
+bits, max 448) with one float32 scale per tensor, multiplies them with the
+result in the compute dtype (bfloat16), and in the backward pass quantizes the
+incoming gradient to ``float8_e5m2`` (E5M2: more range, max 57344) for the two
+gradient matmuls. The scale of a tensor ``x`` is ``amax / fp8_max`` so that
+``x / scale`` fills the fp8 range; the modes differ in which ``amax``:
+
+- **current scaling** (:func:`current_scaling_dot_general`, stateless): the
+  amax of the tensor itself, computed before each matmul. One extra reduction
+  per operand; nothing to store, checkpoint or synchronise.
+- **delayed scaling** (Transformer Engine's default, ``flax.linen.fp8_ops``):
+  the max of an *amax history* of the last ``amax_history_length`` steps, so
+  the scale is known before the tensor is. The state (three scales and three
+  histories per matmul: input, kernel, output gradient) lives in the
+  ``"_overwrite_with_gradient"`` collection (:data:`COLLECTION`): the backward
+  pass returns each entry's *new value* as its "gradient", and the train step
+  writes it back (:func:`commit`) instead of giving it to the optimizer.
+
+For linen, delayed scaling is flax's ``Fp8DirectDotGeneralOp`` used as the
+``dot_general_cls`` of ``nn.Dense``/``nn.DenseGeneral``; NNX has no fp8 layers,
+so :class:`DelayedScalingDot` is its equivalent (flax's same
+``fp8_scaled_dot_general`` on the values of :class:`Fp8Meta` variables), and
+:func:`current_scaling_dot_general` serves both APIs. :func:`as_meta` makes
+every use of one state entry combine by **max** (flax's ``fm32`` dtype), so a
+layer applied twice, a scan that broadcasts the state, or several
+micro-batches keep the largest amax instead of a sum.
+
+Example:
+  >>> import jax, jax.numpy as jnp, jamp
+  >>> x = jnp.ones((4, 8), jnp.bfloat16); w = jnp.full((8, 2), 0.5, jnp.bfloat16)
+  >>> y = jamp.fp8.current_scaling_dot_general(x, w, (((1,), (0,)), ((), ())))
+  >>> y.dtype, float(y[0, 0])
+  (dtype(bfloat16), 4.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax.linen import fp8_ops
+from flax.training import train_state
+
+E4M3 = jnp.float8_e4m3fn
+"""Forward operands (activations and weights): 4 exponent bits, 3 mantissa bits, max 448."""
+
+E5M2 = jnp.float8_e5m2
+"""Gradients in the backward pass: 5 exponent bits, 2 mantissa bits, max 57344."""
+
+COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
+"""The linen variable collection of delayed-scaling state (``"_overwrite_with_gradient"``)."""
+
+META_NAMES = ("input_scale", "kernel_scale", "output_grad_scale",
+              "input_amax_history", "kernel_amax_history", "output_grad_amax_history")
+"""The six entries of one fp8 matmul's delayed-scaling state (flax's names)."""
+
+Scaling = Literal["delayed", "current"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How a mode runs its fp8 matmuls.
+
+    Attributes:
+      scaling: ``"delayed"`` (scale from an amax history, state in
+        :data:`COLLECTION`) or ``"current"`` (scale from the tensor itself).
+      amax_history_length: steps of amax history kept per tensor (delayed only).
+
+    Example:
+      >>> import jamp
+      >>> jamp.fp8.Fp8Recipe("delayed", amax_history_length=16).amax_history_length
+      16
+    """
+
+    scaling: Scaling = "delayed"
+    amax_history_length: int = 1024
+
+    def __post_init__(self):
+        if self.scaling not in ("delayed", "current"):
+            raise ValueError(
+                f"fp8 scaling must be 'delayed' or 'current', got {self.scaling!r}.")
+        n = self.amax_history_length
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
+            raise ValueError(
+                f"amax_history_length must be an int >= 1, got {n!r}; e.g. 1024 (Transformer "
+                "Engine's default) or 16.")
+
+
+# --------------------------------------------------------------------------- current scaling
+
+
+def _fp8_max(dtype: Any) -> jax.Array:
+    return jnp.asarray(float(jnp.finfo(dtype).max), jnp.float32)
+
+
+def tensor_scale(x: jax.Array, fp8_dtype: Any) -> jax.Array:
+    """The float32 per-tensor scale ``amax(|x|) / fp8_max`` (1 where the amax is 0 or not finite).
+
+    Example:
+      >>> import jax.numpy as jnp, jamp
+      >>> float(jamp.fp8.tensor_scale(jnp.array([-896.0, 3.0]), jamp.fp8.E4M3))
+      2.0
+    """
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    return jnp.where(ok, amax / _fp8_max(fp8_dtype), jnp.float32(1.0))
+
+
+def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> jax.Array:
+    """``x / scale`` in float32, clipped to the fp8 range, cast to ``fp8_dtype``.
+
+    Example:
+      >>> import jax.numpy as jnp, jamp
+      >>> q = jamp.fp8.quantize(jnp.array([1000.0, 1.0]), jamp.fp8.E4M3, jnp.float32(1.0))
+      >>> q.dtype, q.astype(jnp.float32).tolist()
+      (dtype(float8_e4m3fn), [448.0, 1.0])
+    """
+    limit = _fp8_max(fp8_dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(fp8_dtype)
+
+
+def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
+    gone = {i for r in removed for i in r}
+    return [i for i in range(n) if i not in gone]
+
+
+def _transpose_lhs(g: jax.Array, x_ndim: int, y: jax.Array, dimension_numbers: Any,
+                   out_dtype: Any, swap_ans: bool = False) -> jax.Array:
+    """The cotangent of ``x`` in ``dot_general(x, y)`` (as in ``jax.lax``'s transpose rule)."""
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = _remaining(x_ndim, x_contract, x_batch)
+    y_kept = _remaining(y.ndim, y_contract, y_batch)
+    nb = len(x_batch)
+    if swap_ans:
+        ans_batch = range(nb)
+        ans_y = range(nb, nb + len(y_kept))
+    else:
+        ans_batch = range(nb)
+        ans_y = range(nb + len(x_kept), nb + len(x_kept) + len(y_kept))
+    dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
+    x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
+    out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
+    dot = jax.lax.dot_general(g, y, dims, preferred_element_type=out_dtype)
+    return jax.lax.transpose(dot, tuple(int(a) for a in out_axes))
+
+
+def _transpose_rhs(g: jax.Array, x: jax.Array, y_ndim: int, dimension_numbers: Any,
+                   out_dtype: Any) -> jax.Array:
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    swapped = ((y_contract, x_contract), (y_batch, x_batch))
+    return _transpose_lhs(g, y_ndim, x, swapped, out_dtype, swap_ans=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _current_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> jax.Array:
+    return _current_dot_fwd(lhs, rhs, dimension_numbers)[0]
+
+
+def _current_dot_fwd(lhs, rhs, dimension_numbers):
+    out_dtype = jnp.result_type(lhs, rhs)
+    lhs_scale, rhs_scale = tensor_scale(lhs, E4M3), tensor_scale(rhs, E4M3)
+    q_lhs, q_rhs = quantize(lhs, E4M3, lhs_scale), quantize(rhs, E4M3, rhs_scale)
+    out = jax.lax.dot_general(q_lhs, q_rhs, dimension_numbers, preferred_element_type=out_dtype)
+    out = (out * (lhs_scale * rhs_scale).astype(out_dtype)).astype(out_dtype)
+    # fp8 residuals: the backward pass keeps a quarter of the float32 (half of the bf16) bytes.
+    return out, (q_lhs, lhs_scale, q_rhs, rhs_scale)
+
+
+def _current_dot_bwd(dimension_numbers, res, g):
+    q_lhs, lhs_scale, q_rhs, rhs_scale = res  # the operands had g's dtype
+    g_scale = tensor_scale(g, E5M2)
+    q_g = quantize(g, E5M2, g_scale)
+    out = jnp.promote_types(g.dtype, jnp.float32)
+    grad_lhs = _transpose_lhs(q_g, q_lhs.ndim, q_rhs, dimension_numbers, out)
+    grad_rhs = _transpose_rhs(q_g, q_lhs, q_rhs.ndim, dimension_numbers, out)
+    grad_lhs = (grad_lhs * (g_scale * rhs_scale)).astype(g.dtype)
+    grad_rhs = (grad_rhs * (g_scale * lhs_scale)).astype(g.dtype)
+    return grad_lhs, grad_rhs
+
+
+_current_dot.defvjp(_current_dot_fwd, _current_dot_bwd)
+
+
+def current_scaling_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                                precision: Any = None, preferred_element_type: Any = None,
+                                **kwargs: Any) -> jax.Array:
+    """``lax.dot_general`` as an fp8 matmul with current (just-in-time) scaling.
+
+    Forward: each operand is scaled by its own ``amax / 448`` and cast to E4M3;
+    the fp8 dot returns the operands' common (compute) dtype. Backward: the
+    incoming gradient is scaled by its own ``amax / 57344``, cast to E5M2, and
+    multiplied with the saved E4M3 operands; the gradients come back in the
+    operands' dtypes. Stateless: usable as ``dot_general=`` of ``nn.Dense``,
+    ``nn.DenseGeneral``, ``nnx.Linear``, ``nnx.LinearGeneral``, or as
+    ``jnp.einsum(..., _dot_general=...)``.
+
+    Args:
+      lhs, rhs, dimension_numbers: as ``jax.lax.dot_general``.
+      precision: ignored (fp8 has one precision).
+      preferred_element_type: the output dtype if given (else the operands' dtype).
+      **kwargs: ignored (``out_sharding`` from NNX layers).
+
+    Returns:
+      The product, in ``preferred_element_type`` or the operands' dtype.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> x = jnp.array([[1.0, 2.0]], jnp.bfloat16); w = jnp.array([[3.0], [0.5]], jnp.bfloat16)
+      >>> jamp.fp8.current_scaling_dot_general(x, w, (((1,), (0,)), ((), ()))).tolist()
+      [[4.0]]
+    """
+    del precision, kwargs
+    dtype = jnp.result_type(lhs, rhs)
+    out = _current_dot(lhs.astype(dtype), rhs.astype(dtype), dimension_numbers)
+    return out if preferred_element_type is None else out.astype(preferred_element_type)
+
+
+def current_scaling_einsum(subscripts: str, *operands: jax.Array, **kwargs: Any) -> jax.Array:
+    """``jnp.einsum`` whose contractions are :func:`current_scaling_dot_general` (``nnx.Einsum``).
+
+    Example:
+      >>> import jax.numpy as jnp, jamp
+      >>> jamp.fp8.current_scaling_einsum("ij,jk->ik", jnp.ones((2, 3)), jnp.ones((3, 1))).tolist()
+      [[3.0], [3.0]]
+    """
+    kwargs.pop("out_sharding", None)
+    return jnp.einsum(subscripts, *operands, _dot_general=current_scaling_dot_general, **kwargs)
+
+
+# --------------------------------------------------------------------------- delayed scaling
+
+
+def init_meta(amax_history_length: int = 1024) -> dict[str, jax.Array]:
+    """A fresh delayed-scaling state of one matmul: scales 1, histories 0 (flax's layout).
+
+    Example:
+      >>> import jamp
+      >>> meta = jamp.fp8.init_meta(4)
+      >>> meta["kernel_scale"].tolist(), meta["kernel_amax_history"].tolist()
+      ([1.0], [0.0, 0.0, 0.0, 0.0])
+    """
+    scale, hist = jnp.ones((1,), jnp.float32), jnp.zeros((amax_history_length,), jnp.float32)
+    return {n: scale if n.endswith("_scale") else hist for n in META_NAMES}
+
+
+def delayed_scaling_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                                meta: dict[str, jax.Array]) -> jax.Array:
+    """An fp8 matmul with delayed scaling: ``flax.linen.fp8_ops.fp8_scaled_dot_general``.
+
+    ``meta`` is one matmul's state (:func:`init_meta`). Each scale is computed
+    from the max of its history (before this step's amax is added); the
+    gradient of ``meta`` is its new value (history rolled, this step's amax
+    in front; scales of this step). ``rhs`` is the kernel: its dtype is the
+    compute dtype.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 1), jnp.bfloat16)
+      >>> f = lambda m: jamp.fp8.delayed_scaling_dot_general(x, w, (((1,), (0,)), ((), ())), m)
+      >>> new = jax.grad(lambda m: f(m).astype(jnp.float32).sum())(jamp.fp8.init_meta(2))
+      >>> new["input_amax_history"].tolist(), new["output_grad_amax_history"].tolist()
+      ([1.0, 0.0], [1.0, 0.0])
+    """
+    dtype = rhs.dtype
+    return fp8_ops.fp8_scaled_dot_general(
+        lhs.astype(dtype), rhs, dimension_numbers, preferred_element_type=dtype,
+        lhs_scale=meta["input_scale"], rhs_scale=meta["kernel_scale"],
+        grad_scale=meta["output_grad_scale"], lhs_amax_history=meta["input_amax_history"],
+        rhs_amax_history=meta["kernel_amax_history"],
+        grad_amax_history=meta["output_grad_amax_history"], quantize_compute_type=dtype)
+
+
+def linen_dot_general_cls(recipe: Fp8Recipe) -> Any:
+    """The linen ``dot_general_cls`` of a delayed recipe: flax's ``Fp8DirectDotGeneralOp``.
+
+    Example:
+      >>> import jamp
+      >>> jamp.fp8.linen_dot_general_cls(jamp.fp8.Fp8Recipe()).__name__
+      'Fp8DirectDotGeneralOp'
+    """
+    if recipe.amax_history_length == fp8_ops.Fp8DirectDotGeneralOp.amax_history_length:
+        return fp8_ops.Fp8DirectDotGeneralOp
+    return _linen_op(recipe.amax_history_length)
+
+
+@functools.cache
+def _linen_op(length: int) -> type:
+    # A subclass (not a partial): flax names the submodule after its class.
+    return type("Fp8DirectDotGeneralOp", (fp8_ops.Fp8DirectDotGeneralOp,),
+                {"__annotations__": {"amax_history_length": int},
+                 "amax_history_length": length, "__module__": __name__})
+
+
+class Fp8Meta(nnx.Variable):
+    """An NNX variable of delayed-scaling state (a scale or an amax history).
+
+    Differentiate it (``nnx.DiffState(0, jamp.fp8.PARAMS_AND_META)``): its
+    gradient is its new value, written back by :func:`nnx_commit`.
+    """
+
+
+PARAMS_AND_META = nnx.Any(nnx.Param, Fp8Meta)
+"""The NNX filter to differentiate for delayed scaling: parameters and :class:`Fp8Meta`."""
+
+
+class DelayedScalingDot(nnx.Module):
+    """NNX delayed-scaling fp8 matmul: a ``dot_general`` (or ``einsum`` op) holding its state.
+
+    Install it as ``linear.dot_general`` of ``nnx.Linear``/``nnx.LinearGeneral``
+    or ``einsum.einsum_op`` of ``nnx.Einsum`` (``jamp.apply_policy`` does it in
+    mode ``"fp8"``); the six :class:`Fp8Meta` variables hold flax's state.
+
+    Example:
+      >>> import jax.numpy as jnp, jamp
+      >>> from flax import nnx
+      >>> dot = jamp.fp8.DelayedScalingDot(amax_history_length=8)
+      >>> dot(jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16),
+      ...     (((1,), (0,)), ((), ()))).dtype
+      dtype(bfloat16)
+    """
+
+    def __init__(self, amax_history_length: int = 1024):
+        for name, value in init_meta(amax_history_length).items():
+            setattr(self, name, Fp8Meta(value))
+
+    def meta(self) -> dict[str, jax.Array]:
+        """The six state values, read (flax's names).
+
+        Example:
+          >>> import jamp
+          >>> sorted(jamp.fp8.DelayedScalingDot(4).meta())[0]
+          'input_amax_history'
+        """
+        return {n: getattr(self, n)[...] for n in META_NAMES}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
+        if args and isinstance(args[0], str):  # einsum_op(subscripts, lhs, rhs, ...)
+            subscripts, lhs, rhs = args
+            dot = lambda a, b, dims, precision=None, preferred_element_type=None: (
+                delayed_scaling_dot_general(a, b, dims, self.meta()))
+            return jnp.einsum(subscripts, lhs.astype(rhs.dtype), rhs, _dot_general=dot)
+        lhs, rhs, dims = args
+        return delayed_scaling_dot_general(lhs, rhs, dims, self.meta())
+
+
+# --------------------------------------------------------------------------- state handling
+
+
+def _is_meta_node(x: Any) -> bool:
+    return isinstance(x, dict) and set(META_NAMES) <= set(x)
+
+
+def as_meta(tree: Any) -> Any:
+    """Converts float32 state leaves to flax's ``fm32`` dtype, whose gradients add by max.
+
+    Call it on the state *before* it enters the model, inside the
+    differentiated function: every use of one entry (a layer applied twice, a
+    scan over micro-batches, a broadcast across scanned layers) then
+    contributes the max of its amaxes, not their sum. Use it under ``jax.jit``
+    (flax's ``fm32`` arrays do not run eagerly).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 3), jnp.bfloat16)
+      >>> dot = lambda a, m: jamp.fp8.delayed_scaling_dot_general(a, w, (((1,), (0,)), ((), ())), m)
+      >>> twice = lambda m: dot(2 * dot(x, m), m).astype(jnp.float32).sum()
+      >>> new = jax.jit(jax.grad(lambda m: twice(jamp.fp8.as_meta(m))))(jamp.fp8.init_meta(2))
+      >>> new["input_amax_history"].tolist(), new["input_scale"].tolist()  # sums: 7 and 2
+      ([6.0, 0.0], [1.0])
+    """
+    return jax.tree_util.tree_map(
+        lambda x: jax.lax.convert_element_type(x, fp8_ops.fm32), tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _max_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return x
+
+
+def _max_over_fwd(x, axes):
+    return x, None
+
+
+def _max_over_bwd(axes, _, ct):
+    # The caller's transpose sums cotangents over ``axes`` (the psum of a pcast): the max on
+    # one shard and zeros elsewhere sum to the max, exactly.
+    first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in axes])
+    return (jnp.where(first, jax.lax.pmax(ct, axes), jnp.zeros_like(ct)),)
+
+
+_max_over.defvjp(_max_over_fwd, _max_over_bwd)
+
+
+def reduce_amax(tree: Any) -> Any:
+    """Identity whose gradient (the new fp8 state) is max-reduced over the mesh axes it varies on.
+
+    Inside ``jax.shard_map`` (``jamp.parallel.step.value_and_grad``) each 'data'
+    shard sees its own examples' amax and the gradients of the state are
+    summed over 'data'; through this function that sum is the max, so every
+    device gets the same history and scales as one device on the whole batch.
+    Under plain ``jax.jit`` (nothing varies) it does nothing: the amax of a
+    sharded array is already global.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> float(jax.grad(lambda m: 3 * jamp.fp8.reduce_amax(m))(jnp.float32(1.0)))
+      3.0
+    """
+    def one(x):
+        aval = jax.typeof(x)
+        manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.9; .vma before
+        axes = tuple(sorted(manual.varying if manual is not None else getattr(aval, "vma", ())))
+        return _max_over(x, axes) if axes else x
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _keep_unused(old: Any, new: Any) -> Any:
+    """``new`` with the entries of matmuls the loss never reached (zero scale) kept ``old``."""
+    if _is_meta_node(new):
+        unused = new["input_scale"] == 0
+        return {k: jnp.where(unused, old[k], v) for k, v in new.items()}
+    if isinstance(new, dict):
+        return {k: _keep_unused(old[k], v) for k, v in new.items()}
+    return new
+
+
+def _multisteps(opt_state: Any) -> Any:
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "MultiStepsState")
+    return found[0][1] if found else None
+
+
+class TrainState(train_state.TrainState):
+    """``flax.training.train_state.TrainState`` with the delayed-scaling fp8 state.
+
+    Attributes:
+      fp8: the model's :data:`COLLECTION` variables (what ``model.init`` returned),
+        read by every forward pass; ``{}`` when the model has none.
+      fp8_pending: the state being built up over the micro-batches of one
+        ``optax.MultiSteps`` window (amax combined by max); becomes ``fp8`` when
+        the window's update is applied.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jamp
+      >>> s = jamp.fp8.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+      ...                                tx=optax.sgd(0.1), fp8={"m": jamp.fp8.init_meta(4)})
+      >>> s.fp8_pending["m"]["input_scale"].tolist()
+      [1.0]
+    """
+
+    fp8: Any = None
+    fp8_pending: Any = None
+
+    @classmethod
+    def create(cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation,
+               fp8: Any = None, **kwargs: Any) -> TrainState:
+        """``TrainState.create`` with the fp8 collection (``variables.get(COLLECTION, {})``).
+
+        Example: see the class docstring.
+        """
+        fp8 = {} if fp8 is None else fp8
+        return super().create(apply_fn=apply_fn, params=params, tx=tx, fp8=fp8,
+                              fp8_pending=fp8, **kwargs)
+
+
+def commit(state: TrainState, new_meta: Any, opt_state_before: Any,
+           applied: jax.Array) -> TrainState:
+    """Writes the new delayed-scaling state back, only for an applied step.
+
+    ``new_meta`` is the gradient of ``state.fp8`` (the state after this batch).
+    A step the loss scale skipped (``applied`` False) changes nothing. Without
+    ``optax.MultiSteps`` an applied step's state becomes ``fp8``. With it, the
+    window's micro-batches all read the window's starting ``fp8`` and their
+    new states are combined elementwise by max in ``fp8_pending`` (the same
+    rolled history with the window's largest amax in front, the same scales);
+    ``fp8`` takes it when the window's update is applied.
+
+    Args:
+      state: the train state after ``apply_gradients``.
+      new_meta: the gradient of ``state.fp8``.
+      opt_state_before: the optimizer state before this step's update.
+      applied: whether the optimizer took this (micro-)batch (the loss scale's
+        ``last_finite``).
+
+    Returns:
+      ``state`` with ``fp8`` and ``fp8_pending`` updated.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> s = jamp.fp8.TrainState.create(apply_fn=None, params={}, tx=optax.sgd(0.1),
+      ...                                fp8={"m": jamp.fp8.init_meta(2)})
+      >>> new = {"m": dict(jamp.fp8.init_meta(2), input_amax_history=jnp.array([5.0, 0.0]))}
+      >>> jamp.fp8.commit(s, new, s.opt_state, jnp.bool_(False)).fp8["m"]["input_amax_history"]
+      Array([0., 0.], dtype=float32)
+    """
+    new_meta = _keep_unused(state.fp8, new_meta)
+    before, after = _multisteps(opt_state_before), _multisteps(state.opt_state)
+    if before is None:
+        first = boundary = jnp.bool_(True)
+    else:
+        first = before.mini_step == 0
+        boundary = after.mini_step == 0
+    where = lambda c, a, b: jax.tree_util.tree_map(lambda x, y: jnp.where(c, x, y), a, b)
+    combined = where(first, new_meta, jax.tree_util.tree_map(jnp.maximum, state.fp8_pending,
+                                                              new_meta))
+    pending = where(applied, combined, state.fp8_pending)
+    fp8 = where(applied & boundary, pending, state.fp8)
+    return state.replace(fp8=fp8, fp8_pending=pending)
+
+
+def nnx_commit(model: nnx.Module, grads: nnx.State, applied: jax.Array | bool = True
+               ) -> nnx.State:
+    """Writes the :class:`Fp8Meta` gradients into ``model`` when ``applied``; returns the Params'.
+
+    For an NNX step differentiating ``PARAMS_AND_META``: give the returned
+    parameter gradients to the optimizer, and pass ``applied`` (the loss
+    scale's ``last_finite`` after the update) to keep a skipped step's state.
+
+    Example:
+      >>> import jax.numpy as jnp, jamp
+      >>> from flax import nnx
+      >>> model = nnx.Linear(4, 2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+      >>> model.dot_general = jamp.fp8.DelayedScalingDot(amax_history_length=4)
+      >>> loss = lambda m: m(jnp.ones((3, 4))).astype(jnp.float32).sum()
+      >>> grads = nnx.grad(loss, argnums=nnx.DiffState(0, jamp.fp8.PARAMS_AND_META))(model)
+      >>> param_grads = jamp.fp8.nnx_commit(model, grads)
+      >>> float(model.dot_general.input_amax_history[0])
+      1.0
+    """
+    meta_grads = nnx.filter_state(grads, Fp8Meta)
+    old = nnx.state(model, Fp8Meta)
+    new = jax.tree_util.tree_map(lambda o, n: jnp.where(applied, n, o), old, meta_grads)
+    nnx.update(model, new)
+    return nnx.filter_state(grads, nnx.Param)
