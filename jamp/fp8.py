@@ -215,8 +215,10 @@ def current_scaling_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_number
     Example:
       >>> import jax, jax.numpy as jnp, jamp
       >>> x = jnp.array([[1.0, 2.0]], jnp.bfloat16); w = jnp.array([[3.0], [0.5]], jnp.bfloat16)
-      >>> jamp.fp8.current_scaling_dot_general(x, w, (((1,), (0,)), ((), ()))).tolist()
-      [[4.0]]
+      >>> jamp.fp8.current_scaling_dot_general(x, w, (((1,), (0,)), ((), ()))).tolist()  # not 4:
+      [[3.984375]]
+
+      (0.5 is 74.7 units of the kernel's scale 3/448; E4M3 rounds it to 72.)
     """
     del precision, kwargs
     dtype = jnp.result_type(lhs, rhs)
