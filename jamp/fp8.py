@@ -42,6 +42,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -231,7 +232,8 @@ def current_scaling_einsum(subscripts: str, *operands: jax.Array, **kwargs: Any)
 
     Example:
       >>> import jax.numpy as jnp, jamp
-      >>> jamp.fp8.current_scaling_einsum("ij,jk->ik", jnp.ones((2, 3)), jnp.ones((3, 1))).tolist()
+      >>> x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 1), jnp.bfloat16)
+      >>> jamp.fp8.current_scaling_einsum("ij,jk->ik", x, w).tolist()
       [[3.0], [3.0]]
     """
     kwargs.pop("out_sharding", None)
@@ -352,6 +354,63 @@ class DelayedScalingDot(nnx.Module):
             return jnp.einsum(subscripts, lhs.astype(rhs.dtype), rhs, _dot_general=dot)
         lhs, rhs, dims = args
         return delayed_scaling_dot_general(lhs, rhs, dims, self.meta())
+
+
+LINEN_LAYERS: tuple[type, ...] = (nn.Dense, nn.DenseGeneral)
+"""Linen layers whose matmul the fp8 modes replace (``nn.Einsum`` has no ``dot_general`` hook)."""
+
+NNX_LAYERS: tuple[type, ...] = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
+"""NNX layers whose matmul the fp8 modes replace."""
+
+
+def linen_install(module: nn.Module, recipe: Fp8Recipe) -> bool:
+    """Sets the fp8 matmul of a bound linen ``Dense``/``DenseGeneral`` (by the policy interceptor).
+
+    Returns whether ``module`` is such a layer. Delayed scaling sets
+    ``dot_general_cls`` to flax's ``Fp8DirectDotGeneralOp`` (state in
+    :data:`COLLECTION`, under the layer); current scaling sets ``dot_general``.
+
+    Example:
+      >>> import flax.linen as nn, jamp
+      >>> jamp.fp8.linen_install(nn.LayerNorm(), jamp.fp8.Fp8Recipe())
+      False
+    """
+    if not isinstance(module, LINEN_LAYERS):
+        return False
+    if recipe.scaling == "delayed":
+        name, value = "dot_general_cls", linen_dot_general_cls(recipe)
+    else:
+        name, value = "dot_general", current_scaling_dot_general
+    if getattr(module, name) is not value:
+        object.__setattr__(module, name, value)  # bound modules are per-scope clones
+    return True
+
+
+def nnx_install(layer: nnx.Module, recipe: Fp8Recipe) -> bool:
+    """Gives an ``nnx.Linear``/``LinearGeneral``/``Einsum`` an fp8 matmul, in place.
+
+    Returns whether ``layer`` is such a layer. Delayed scaling installs a
+    :class:`DelayedScalingDot` (its :class:`Fp8Meta` state becomes part of the
+    layer's state); current scaling installs :func:`current_scaling_dot_general`.
+
+    Example:
+      >>> import jax.numpy as jnp, jamp
+      >>> from flax import nnx
+      >>> layer = nnx.Linear(3, 2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+      >>> jamp.fp8.nnx_install(layer, jamp.fp8.Fp8Recipe("current"))
+      True
+      >>> layer(jnp.ones((1, 3))).dtype
+      dtype(bfloat16)
+    """
+    if not isinstance(layer, NNX_LAYERS):
+        return False
+    einsum = isinstance(layer, nnx.Einsum)
+    name = "einsum_op" if einsum else "dot_general"
+    if recipe.scaling == "delayed":
+        setattr(layer, name, nnx.data(DelayedScalingDot(recipe.amax_history_length)))
+    else:
+        setattr(layer, name, current_scaling_einsum if einsum else current_scaling_dot_general)
+    return True
 
 
 # --------------------------------------------------------------------------- state handling
@@ -531,7 +590,8 @@ def nnx_commit(model: nnx.Module, grads: nnx.State, applied: jax.Array | bool = 
       >>> import jax.numpy as jnp, jamp
       >>> from flax import nnx
       >>> model = nnx.Linear(4, 2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-      >>> model.dot_general = jamp.fp8.DelayedScalingDot(amax_history_length=4)
+      >>> jamp.fp8.nnx_install(model, jamp.fp8.Fp8Recipe("delayed", amax_history_length=4))
+      True
       >>> loss = lambda m: m(jnp.ones((3, 4))).astype(jnp.float32).sum()
       >>> grads = nnx.grad(loss, argnums=nnx.DiffState(0, jamp.fp8.PARAMS_AND_META))(model)
       >>> param_grads = jamp.fp8.nnx_commit(model, grads)
