@@ -6,9 +6,11 @@
 
 Also ``python -m jamp.train``. The config is an ``ml_collections`` file
 (``get_config(arg)``, see ``jamp/config.py``); ``--config.key=value`` overrides any
-field and unknown keys are rejected. The run directory gets ``metrics.jsonl``,
-TensorBoard events, orbax checkpoints (resumed automatically), ``summary.json``
-and ``training.png``.
+field and unknown keys are rejected; ``jamp.train --help`` lists every key with its
+default and meaning. The run directory gets ``config.json`` (the resolved config),
+``metrics.jsonl``, TensorBoard events, orbax checkpoints (resumed automatically),
+``summary.json`` and ``training.png``; rerunning a finished run prints where its
+summary is and exits 0.
 
 The ``config.mesh`` axes (data, model, pipe) give data, tensor (Megatron) and
 GPipe pipeline parallelism (``jamp/parallel``). Multi-host runs start one
@@ -16,29 +18,36 @@ process per host (or per GPU) under SLURM, Open MPI, torchrun-style variables
 or ``--coordinator host:port --num_processes N --process_id i``; only process
 0 writes metrics, plots and the summary. See the README, "Scaling out".
 
-A config or flag error, a missing dataset or an unusable checkpoint ends the run
-with one paragraph on stderr that names the fix and exit status 2; a diverged loss
-scale with status 3. The Python API behind the command is
+Exit status: 0 when the run finished (or had finished before); 2 for a config or
+flag error, a missing dataset, an unusable workdir or checkpoint (one paragraph on
+stderr that names the fix, nothing written); 3 when the loss scale diverged (the
+summary and plot are still written). The Python API behind the command is
 :func:`jamp.train.train_and_evaluate`.
 
 Example:
   >>> import subprocess, sys
   >>> run = subprocess.run([sys.executable, "-m", "jamp.train"], capture_output=True, text=True)
   >>> print(run.returncode, run.stderr.splitlines()[-1].split(",")[0])
-  1 jamp.train: --config is required
+  2 jamp.train: error: --config is required
 """
 
 from __future__ import annotations
 
 import os
+import re
+import runpy
 import sys
-from typing import NoReturn
+import textwrap
+import warnings
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 from absl import app, flags, logging
-from ml_collections import config_flags
+from ml_collections import ConfigDict, config_flags
 
 from jamp import data, parallel
 from jamp.checkpoint import CheckpointError
+from jamp.config import FIELD_HELP, vit_config
 from jamp.experiment import ConfigError
 from jamp.loss_scale import LossScaleDivergedError
 from jamp.train import train_and_evaluate
@@ -46,24 +55,122 @@ from jamp.train import train_and_evaluate
 USER_ERRORS = (ConfigError, data.DatasetNotFoundError, CheckpointError, LossScaleDivergedError)
 """Errors reported as one paragraph (no traceback)."""
 
+HELP_ARGS = ("-h", "--help", "-help", "-?")
+"""Arguments that print :func:`help_text` and exit 0 (absl's ``--helpfull`` lists all flags)."""
+
 _PARSE_ERRORS = (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError)
+_JAMP_FLAGS = ("config", "workdir", "coordinator", "num_processes", "process_id")
+_FLAGS_FIX = ("jamp.train's flags are --config FILE[:model,dataset], --config.KEY=VALUE, "
+              "--workdir DIR and, for multi-process runs, --coordinator, --num_processes, "
+              "--process_id; jamp.train --help lists them and every config key.")
+_CONFIG_FIX = ("Pass a config file such as --config configs/vit_fp16.py, optionally with "
+               ":model,dataset (e.g. configs/vit_fp16.py:s16,cifar10).")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: ``jamp.train --config configs/vit_fp16.py``.
 
-    Example: ``main(["jamp.train", "--config", "configs/vit_fp16.py"])`` trains the
-    embedded digits into ``runs/vit_fp16`` (see the module docstring).
+    ``--help``/``-h`` print :func:`help_text` and exit 0; see the module docstring
+    for the exit statuses.
+
+    Example:
+      >>> try:
+      ...     main(["jamp.train", "--help"])
+      ... except SystemExit as e:
+      ...     print("exit status", e.code)  # doctest: +ELLIPSIS
+      usage: jamp.train --config FILE[:model,dataset] [--config.KEY=VALUE ...] [--workdir DIR]
+      ...
+      exit status 0
     """
+    argv = list(sys.argv if argv is None else argv)
+    if any(arg in HELP_ARGS for arg in argv[1:]):
+        print(help_text(*_help_config(argv[1:])), flush=True)
+        raise SystemExit(0)
     _define_flags()
-    app.run(_run, argv=sys.argv if argv is None else argv, flags_parser=_parse_flags)
+    # ml_collections reads the config overrides from sys.argv; a fresh parse per call.
+    saved, sys.argv = sys.argv, argv
+    try:
+        flags.FLAGS.unparse_flags()
+        for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+            delattr(flags.FLAGS, name)
+        app.run(_run, argv=argv, flags_parser=_parse_flags)
+    finally:
+        sys.argv = saved
+
+
+def help_text(config: ConfigDict | None = None, source: str = "configs/vit_fp16.py") -> str:
+    """``jamp.train --help``: usage, examples, jamp's flags and every config key.
+
+    Args:
+      config: the config whose keys and defaults are listed (default: ``source``'s).
+      source: where ``config`` came from, for the heading.
+
+    Example:
+      >>> print("\\n".join(line for line in help_text().splitlines()
+      ...                  if "--config.batch_size" in line))
+        --config.batch_size=64               global batch size, split over processes, 'data' shards
+    """
+    config = vit_config("fp16") if config is None else config
+    doc = (__doc__ or "").split("\n\n")
+    examples = "\n".join(line for line in doc[1].splitlines() if line.strip())
+    lines = [
+        "usage: jamp.train --config FILE[:model,dataset] [--config.KEY=VALUE ...] [--workdir DIR]",
+        "",
+        doc[0].strip("`").replace("``", ""),
+        "",
+        "examples:",
+        examples,
+        "",
+        "flags:",
+    ]
+    for name in _JAMP_FLAGS:
+        lines += _item(f"--{name}", _define_flags()[name].help)
+    lines += _item("-h, --help", "this help (absl's, grain's and orbax's flags: --helpfull)")
+    lines += ["", f"config keys (--config.KEY=VALUE; the defaults of {source}):"]
+    for key, value in _flat(config):
+        lines += _item(f"--config.{key}={value!r}", FIELD_HELP.get(key, ""))
+    lines += ["", "exit status: 0 finished (or had finished before); 2 config, flag, data, "
+              "workdir or checkpoint error (nothing written); 3 loss scale diverged."]
+    return "\n".join(lines)
+
+
+def _item(name: str, meaning: str) -> list[str]:
+    wrapped = textwrap.wrap(meaning, 100 - 39) or [""]
+    if len(name) > 36:
+        return [f"  {name}", *(" " * 39 + w for w in wrapped)]
+    return [f"  {name:<36} {wrapped[0]}", *(" " * 39 + w for w in wrapped[1:])]
+
+
+def _flat(config: ConfigDict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in config.items():
+        if isinstance(value, ConfigDict):
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _help_config(args: list[str]) -> tuple[ConfigDict | None, str]:
+    """The config named by ``--config`` in ``args`` and its name, if it loads."""
+    for i, arg in enumerate(args):
+        value = (arg.split("=", 1)[1] if re.match(r"^--?config=", arg) else
+                 args[i + 1] if arg in ("--config", "-config") and i + 1 < len(args) else None)
+        if value:
+            path, _, config_arg = value.partition(":")
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    get_config = runpy.run_path(path)["get_config"]
+                    return get_config(config_arg) if config_arg else get_config(), value
+            except Exception:  # the help never fails; the run will report the problem
+                break
+    return None, "configs/vit_fp16.py"
 
 
 def _define_flags() -> flags.FlagValues:
     if "config" not in flags.FLAGS:
         config_flags.DEFINE_config_file(
             "config", None, "Config file, e.g. configs/vit_fp16.py or "
-            "configs/vit_fp16.py:b16,caltech101. Override fields with --config.key=value.",
+            "configs/vit_fp16.py:b16,caltech101. Override fields with --config.KEY=VALUE.",
             lock_config=True)
         flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>). "
                             "An existing run there is resumed.")
@@ -80,22 +187,23 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except (flags.Error, *_PARSE_ERRORS) as e:
-        raise _usage_error(e) from None
+        _fail(_usage_message(e), 2)
 
 
 def _run(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it renames at INFO
+    warnings.showwarning = _show_warning
     if len(argv) > 1:
-        raise SystemExit(f"jamp.train: unexpected arguments {argv[1:]}; see jamp.train --help.")
+        _fail(f"unexpected arguments {argv[1:]}: {_FLAGS_FIX}", 2)
     try:
         config = flags.FLAGS.config
         if config is not None:
             config.mode  # noqa: B018  (absl loads config files lazily: fail here, clearly)
     except _PARSE_ERRORS as e:
-        raise _usage_error(e) from None
+        _fail(_usage_message(e), 2)
     if config is None:
-        raise SystemExit("jamp.train: --config is required, e.g. "
-                         "jamp.train --config configs/vit_fp16.py (see --help).")
+        _fail("--config is required, e.g. jamp.train --config configs/vit_fp16.py "
+              "(jamp.train --help lists the flags and every config key).", 2)
     workdir = flags.FLAGS.workdir or _default_workdir(flags.FLAGS["config"].config_filename)
     try:
         parallel.launch.initialize(flags.FLAGS.coordinator, flags.FLAGS.num_processes,
@@ -108,22 +216,55 @@ def _run(argv: list[str]) -> None:
         _fail(e, 3 if isinstance(e, LossScaleDivergedError) else 2)
 
 
-def _fail(error: BaseException, status: int) -> NoReturn:
+def _fail(error: BaseException | str, status: int) -> NoReturn:
     print(f"jamp.train: error: {error}", file=sys.stderr, flush=True)
     raise SystemExit(status) from None
 
 
-def _usage_error(error: BaseException) -> SystemExit:
-    """Prints a config/flag error as one paragraph and returns the exit to raise."""
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"jamp.train: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _usage_message(error: BaseException) -> str:
+    """A flag or config-file error as one paragraph that names the fix."""
     text = str(error)
     if "Traceback" in text:  # absl wraps the config file's own exception with its traceback
         text = [line for line in text.splitlines() if line.strip()][-1]
-    text = " ".join(text.strip("'\"").replace("\\n", " ").replace("\\'", "'").split())
-    print(f"jamp.train: error: {text} -- Check --config (a file such as configs/vit_fp16.py, "
-          "optionally with :model,dataset, e.g. :s16,cifar10) and the --config.key=value "
-          "overrides: keys must exist in the config (see jamp/config.py) and values must "
-          "have the field's type.", file=sys.stderr, flush=True)
-    return SystemExit(2)
+    text = " ".join(text.replace("\\n", " ").split()).removeprefix("ValueError: ")
+    override = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text)
+    if override:  # a value that does not parse as the field's type
+        key, value, why = override.groups()
+        kind, example = _field_kind(key)
+        why = "not True or False" if kind == "True or False" else why
+        return (f"--config.{key}={value!r} is not valid ({why}): {key} takes {kind}, e.g. "
+                f"--config.{key}={example} ({FIELD_HELP.get(key, 'see jamp.train --help')}).")
+    typo = re.search(r'Did you mean "([\w.]+)" instead of "([\w.]+)"', text)
+    if typo:  # an override key that does not exist
+        good, bad = typo.groups()
+        for arg in sys.argv:  # the full path of a nested key, e.g. loss_scale.init_scal
+            given = re.match(rf"--?config\.((?:\w+\.)*){re.escape(bad)}(=|$)", arg)
+            if given:
+                good, bad = given.group(1) + good, given.group(1) + bad
+        return (f"--config.{bad} is not a config key; did you mean --config.{good}? "
+                "(jamp.train --help lists every key.)")
+    if "config file" in text or str(error).startswith("flag --config="):
+        return f"{text} -- {_CONFIG_FIX}"
+    return f"{text} -- {_FLAGS_FIX}"
+
+
+def _field_kind(key: str) -> tuple[str, str]:
+    """What a config field takes, in words, and an example value."""
+    config, *parents, leaf = vit_config("fp16"), *key.split(".")
+    try:
+        for parent in parents:
+            config = config[parent]
+        kind, default = config.get_type(leaf), config[leaf]
+    except (KeyError, AttributeError):
+        return "a value of the field's type", "..."
+    words = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
+    examples = {bool: "True", int: "1", float: "1.0", str: "'...'"}
+    return (words.get(kind, f"a {kind.__name__}"),
+            repr(default) if default is not None else examples.get(kind, "..."))
 
 
 def _default_workdir(config_path: str) -> str:

@@ -32,6 +32,61 @@ _DATASETS = {
 _LARGE = dict(image_size=224, patch_size=16)
 
 
+FIELD_HELP: dict[str, str] = {
+    "mode": "precision mode: fp32, fp16, bf16, fp16_naive, fp16_pure (unsafe), bf16_pure, "
+            "or an alias (O1, 16-mixed, bf16-mixed, ...)",
+    "seed": "seed of the parameter init, dropout and data order (0 <= seed < 2**32)",
+    "dataset": "TFDS dataset name; 'digits' is the embedded offline dataset",
+    "data_dir": "where TFDS datasets are prepared (None: $TFDS_DATA_DIR or "
+                "~/tensorflow_datasets)",
+    "image_size": "input images are resized/cropped to this many pixels a side",
+    "worker_count": "grain worker processes for the train loader (0: load in this process)",
+    "augment": "random crop (+ flip where it keeps the label) on the train split",
+    "model": "ViT size: ti, s, b or l (the :arg's model, e.g. s16 -> s with patch 16)",
+    "patch_size": "patch side in pixels (must divide image_size)",
+    "num_layers": "encoder blocks (None: the size's default)",
+    "hidden_size": "embedding width (None: the size's default)",
+    "num_heads": "attention heads; must divide hidden_size (None: the size's default)",
+    "mlp_dim": "MLP hidden units (None: the size's default)",
+    "dropout_rate": "dropout probability in [0, 1)",
+    "remat": "rematerialise each encoder block in the backward pass (less memory, more compute)",
+    "scan_layers": "run the encoder blocks with nn.scan (needed for pipelining)",
+    "batch_size": "global batch size, split over processes, 'data' shards and microbatches",
+    "num_epochs": "epochs over the train split",
+    "optimizer": "'adamw' or 'sgd'",
+    "learning_rate": "peak learning rate (> 0) after linear warm-up, then cosine decay",
+    "weight_decay": "decoupled weight decay (>= 0)",
+    "momentum": "SGD momentum in [0, 1) (optimizer='sgd' only)",
+    "warmup_steps": "linear warm-up steps (>= 0)",
+    "grad_clip_norm": "clip gradients to this global norm (0: no clipping)",
+    "label_smoothing": "label smoothing in [0, 1) of the train loss (the test loss has none, "
+                       "so the train loss cannot fall below a floor > 0)",
+    "loss_scale.kind": "'none', 'static' or 'dynamic' (None: the mode's)",
+    "loss_scale.init_scale": "initial (or static) loss scale (None: the mode's, fp16: 2**16)",
+    "loss_scale.growth_factor": "scale multiplier after growth_interval finite steps (> 1)",
+    "loss_scale.backoff_factor": "scale multiplier on overflow, in (0, 1)",
+    "loss_scale.growth_interval": "finite steps in a row before the scale grows (>= 1)",
+    "loss_scale.hysteresis": "overflows tolerated before the scale backs off (>= 1)",
+    "loss_scale.min_scale": "the scale never goes below this",
+    "loss_scale.max_scale": "the scale never goes above this",
+    "loss_scale.divergence_steps": "overflowing steps in a row at min_scale that stop the run "
+                                   "(exit status 3)",
+    "mesh.data": "devices on the 'data' axis (data parallelism; -1: the rest)",
+    "mesh.model": "devices on the 'model' axis (tensor parallelism; -1: the rest)",
+    "mesh.pipe": "devices on the 'pipe' axis (pipeline stages; -1: the rest)",
+    "pipeline_microbatches": "microbatches per step when mesh.pipe > 1 (>= 1)",
+    "log_every_steps": "write train metrics every this many steps (>= 1)",
+    "eval_every_epochs": "evaluate on the test split every this many epochs (>= 1)",
+    "checkpoint_every_steps": "save a checkpoint every this many steps (>= 1)",
+    "keep_checkpoints": "how many recent checkpoints to keep (>= 1)",
+    "max_steps": "stop after this many steps (None: num_epochs; >= 1)",
+    "progress": "show a progress bar on stderr",
+    "plot": "write training.png at the end",
+}
+"""One line of meaning for every field of :func:`vit_config` (``jamp.train --help`` lists
+them with their defaults; ``tests/test_cli.py`` checks that none is missing)."""
+
+
 def _parse_arg(arg: str | None) -> tuple[str | None, int | None, str]:
     if not arg:
         return None, None, "digits"

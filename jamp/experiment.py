@@ -25,6 +25,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -36,6 +38,7 @@ from absl import flags
 from flax.training import train_state
 
 from jamp import data, parallel
+from jamp.config import FIELD_HELP
 from jamp.flax import apply_policy
 from jamp.models import vit
 from jamp.models.sizes import vit_dims
@@ -157,6 +160,7 @@ def validate_config(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | N
       ...     print(str(e).split(" (")[0])
       num_heads=3 cannot be split over the 2 devices of the mesh's 'model' axis
     """
+    check_values(config)
     _check_batch(config, mesh, pipeline)
     _check_model(config, mesh, pipeline)
     if config.image_size % config.patch_size:
@@ -168,6 +172,72 @@ def validate_config(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | N
             f"--config.worker_count={config.worker_count}: grain's worker processes read "
             "absl flags, and they are not parsed. Use the jamp.train command (absl.app parses "
             "them), call absl.flags.FLAGS.mark_as_parsed() first, or set worker_count=0.")
+
+
+def _at_least(low: float) -> Callable[[Any], bool]:
+    return lambda v: v >= low
+
+
+def _in(low: float, high: float) -> Callable[[Any], bool]:  # low <= v < high
+    return lambda v: low <= v < high
+
+
+# (field, test, requirement, example): what every numeric field must satisfy.
+_LIMITS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
+    ("seed", _in(0, 2**32), "in [0, 2**32)", "0"),
+    ("image_size", _at_least(1), ">= 1", "32"),
+    ("worker_count", _at_least(0), ">= 0", "0"),
+    ("patch_size", _at_least(1), ">= 1", "4"),
+    ("num_layers", _at_least(1), ">= 1 (or None for the size's default)", "4"),
+    ("hidden_size", _at_least(1), ">= 1 (or None for the size's default)", "64"),
+    ("num_heads", _at_least(1), ">= 1 (or None for the size's default)", "4"),
+    ("mlp_dim", _at_least(1), ">= 1 (or None for the size's default)", "128"),
+    ("dropout_rate", _in(0, 1), "in [0, 1)", "0.1"),
+    ("batch_size", _at_least(1), ">= 1", "64"),
+    ("num_epochs", _at_least(1), ">= 1", "10"),
+    ("learning_rate", lambda v: v > 0, "> 0", "0.001"),
+    ("weight_decay", _at_least(0), ">= 0", "0.05"),
+    ("momentum", _in(0, 1), "in [0, 1)", "0.9"),
+    ("warmup_steps", _at_least(0), ">= 0", "50"),
+    ("grad_clip_norm", _at_least(0), ">= 0 (0: no clipping)", "1.0"),
+    ("label_smoothing", _in(0, 1), "in [0, 1)", "0.1"),
+    ("pipeline_microbatches", _at_least(1), ">= 1", "4"),
+    ("log_every_steps", _at_least(1), ">= 1", "10"),
+    ("eval_every_epochs", _at_least(1), ">= 1", "1"),
+    ("checkpoint_every_steps", _at_least(1), ">= 1", "100"),
+    ("keep_checkpoints", _at_least(1), ">= 1", "2"),
+    ("max_steps", _at_least(1), ">= 1 (or None: train num_epochs)", "100"),
+)
+
+
+def check_values(config: Config) -> None:
+    """Raises a :class:`ConfigError` for a field whose value makes no sense on its own.
+
+    Every numeric field is range-checked (a batch of 0, a negative learning rate or
+    ``max_steps``, a NaN, a dropout of 1), and ``optimizer`` must be known; the
+    loss-scale fields are checked by :func:`precision_from_config`, the mesh by
+    :func:`build_experiment`. Runs first, before anything is built or compiled.
+
+    Example:
+      >>> from jamp.config import vit_config
+      >>> c = vit_config("fp16"); c.batch_size = -8
+      >>> try:
+      ...     check_values(c)
+      ... except ConfigError as e:
+      ...     print(str(e).split(" (")[0])
+      --config.batch_size=-8 is out of range: batch_size must be >= 1, e.g. --config.batch_size=64
+    """
+    for key, ok, requirement, example in _LIMITS:
+        value = config.get(key)
+        if value is None and ("None" in requirement):
+            continue
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not math.isfinite(value) or not ok(value)):
+            raise ConfigError(
+                f"--config.{key}={value!r} is out of range: {key} must be {requirement}, "
+                f"e.g. --config.{key}={example} ({FIELD_HELP[key]}).")
+    if config.optimizer not in ("adamw", "sgd"):
+        raise ConfigError(f"--config.optimizer={config.optimizer!r}: use 'adamw' or 'sgd'.")
 
 
 def _check_batch(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None) -> None:
@@ -232,6 +302,7 @@ def build_experiment(config: Config) -> Experiment:
       >>> build_experiment(vit_config("fp16")).info.num_classes
       10
     """
+    check_values(config)
     mp = precision_from_config(config)
     try:
         mesh = parallel.make_mesh(config.mesh.to_dict())
