@@ -107,8 +107,8 @@ def help_text(config: ConfigDict | None = None, source: str = "configs/vit_fp16.
 
     Example:
       >>> print("\\n".join(line for line in help_text().splitlines()
-      ...                  if "--config.batch_size" in line))
-        --config.batch_size=64               global batch size, split over processes, 'data' shards
+      ...                  if line.startswith("  --config.batch_size=")))  # doctest: +ELLIPSIS
+        --config.batch_size=64               global batch size, split over processes, ...
     """
     config = vit_config("fp16") if config is None else config
     doc = (__doc__ or "").split("\n\n")
