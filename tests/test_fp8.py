@@ -1,0 +1,281 @@
+"""fp8 matmuls (jamp.fp8) and the fp8 state in the train step: dtypes from the jaxprs,
+delayed-scaling state against a hand-computed reference, skip/accumulation/mesh/resume."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jamp
+from jamp import fp8
+from jamp.parallel import make_mesh
+from jamp.parallel import step as parallel_step
+from tests.jaxpr_utils import operand_dtypes
+
+E4, E5 = "float8_e4m3fn", "float8_e5m2"
+HIST = 4
+DELAYED = fp8.Fp8Recipe("delayed", amax_history_length=HIST)
+CURRENT = fp8.Fp8Recipe("current")
+# Two optimizers for every test, so the jitted step compiles once per (tx, model, batch shape).
+TX = jamp.DynamicLossScale(optax.sgd(0.1), init_scale=1.0, min_scale=1.0, divergence_steps=2)
+TX_ACC = jamp.DynamicLossScale(optax.MultiSteps(optax.sgd(0.1), 2), init_scale=1.0)
+
+
+class MLP(nn.Module):
+    """A tiny classifier of [B, 4, 4, 1] images; its Dense layers take fp8 matmuls."""
+
+    recipe: fp8.Fp8Recipe | None = None
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        del train
+        x = x.reshape(x.shape[0], -1)
+        kw = {}
+        if self.recipe is not None and self.recipe.scaling == "delayed":
+            kw["dot_general_cls"] = fp8.linen_dot_general_cls(self.recipe)
+        elif self.recipe is not None:
+            kw["dot_general"] = fp8.current_scaling_dot_general
+        x = nn.relu(nn.Dense(16, dtype=jnp.bfloat16, **kw)(x))
+        return nn.Dense(3, dtype=jnp.bfloat16, **kw)(x).astype(jnp.float32)
+
+
+def _batch(seed, n=8):
+    x = jax.random.normal(jax.random.key(seed), (n, 4, 4, 1))
+    return {"image": x, "label": jnp.arange(n) % 3}
+
+
+@functools.cache
+def _model_and_variables(recipe):
+    model = MLP(recipe)  # one instance per recipe: its bound apply is the jit cache's key
+    return model, jax.jit(model.init)(jax.random.key(0), _batch(0)["image"])
+
+
+def _state(tx, recipe=DELAYED):
+    model, v = _model_and_variables(recipe)
+    return fp8.TrainState.create(apply_fn=model.apply, params=v["params"], tx=tx,
+                                 fp8=v.get(fp8.COLLECTION, {}))
+
+
+@functools.cache
+def _step():
+    return jax.jit(jamp.train_step)
+
+
+def _eq(a, b):
+    return all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+        lambda x, y: bool(jnp.array_equal(x, y)), a, b)))
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_dense_dots_are_e4m3_forward_and_e5m2_backward(recipe):
+    state = _state(TX, recipe)
+    batch = _batch(1)
+
+    def loss(params):
+        variables = {"params": params, **({fp8.COLLECTION: state.fp8} if state.fp8 else {})}
+        return state.apply_fn(variables, batch["image"]).sum()
+
+    fwd = operand_dtypes(loss, state.params, primitive="dot_general")
+    assert fwd == [(E4, E4)] * 2
+    both = operand_dtypes(jax.grad(loss), state.params, primitive="dot_general")
+    backward = both[2:]
+    assert sorted(both[:2]) == [(E4, E4)] * 2 and len(backward) == 4  # two per Dense
+    assert all(E5 in pair and set(pair) <= {E4, E5} for pair in backward), backward
+
+
+def test_nnx_install_gives_fp8_dots():
+    for recipe in (DELAYED, CURRENT):
+        layer = nnx.Linear(4, 3, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        einsum = nnx.Einsum("bi,io->bo", (4, 3), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        assert fp8.nnx_install(layer, recipe) and fp8.nnx_install(einsum, recipe)
+        assert not fp8.nnx_install(nnx.LayerNorm(4, rngs=nnx.Rngs(0)), recipe)
+        for model in (layer, einsum):
+            graphdef, state = nnx.split(model)
+
+            def loss(s, graphdef=graphdef):
+                return nnx.merge(graphdef, s)(jnp.ones((2, 4))).astype(jnp.float32).sum()
+
+            dots = operand_dtypes(jax.grad(loss), state, primitive="dot_general")
+            assert dots[0] == (E4, E4) and all(E5 in d for d in dots[1:]) and len(dots) == 3
+
+
+def test_nnx_delayed_state_updates_and_skips():
+    model = nnx.Linear(4, 3, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    fp8.nnx_install(model, DELAYED)
+    loss = lambda m: m(jnp.full((2, 4), 3.0)).astype(jnp.float32).sum()
+    grad = nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, fp8.PARAMS_AND_META)))
+    fp8.nnx_commit(model, grad(model), applied=jnp.bool_(False))
+    assert float(model.dot_general.input_amax_history[0]) == 0.0
+    param_grads = fp8.nnx_commit(model, grad(model))
+    assert float(model.dot_general.input_amax_history[0]) == 3.0
+    assert not jax.tree_util.tree_leaves(nnx.filter_state(param_grads, fp8.Fp8Meta))
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def _reference(amaxes, fp8_max=448.0, length=HIST):
+    """Delayed scaling by hand: the scale of step t from the history before t."""
+    hist, scale, out = np.zeros(length, np.float32), np.float32(1.0), []
+    for amax in amaxes:
+        top = hist.max()
+        scale = np.float32(top / np.float32(fp8_max)) if top > 0 else scale
+        hist = np.roll(hist, -1)
+        hist[0] = amax
+        out.append((scale, hist.copy()))
+    return out
+
+
+def test_delayed_state_follows_reference():
+    state = _state(TX)
+    states, inputs, kernels = [state], [], []
+    for t in range(HIST + 2):  # past the history length: the oldest amax drops out
+        batch = _batch(10 + t)
+        batch["image"] = batch["image"] * (1 + 3 * (t == 1))  # one large step, later forgotten
+        inputs.append(float(jnp.abs(batch["image"].astype(jnp.bfloat16)).max()))
+        kernels.append(float(jnp.abs(state.params["Dense_0"]["kernel"].astype(jnp.bfloat16)).max()))
+        state, _ = _step()(state, batch, jax.random.key(t))
+        states.append(state)
+    meta = lambda s: s.fp8["Dense_0"]["Fp8DirectDotGeneralOp_0"]
+    for t, (scale, hist) in enumerate(_reference(inputs)):
+        np.testing.assert_allclose(meta(states[t + 1])["input_scale"], [scale], rtol=1e-6)
+        np.testing.assert_array_equal(meta(states[t + 1])["input_amax_history"], hist)
+    for t, (scale, hist) in enumerate(_reference(kernels)):
+        np.testing.assert_allclose(meta(states[t + 1])["kernel_scale"], [scale], rtol=1e-6)
+        np.testing.assert_array_equal(meta(states[t + 1])["kernel_amax_history"], hist)
+    grads = [float(meta(s)["output_grad_amax_history"][0]) for s in states[1:]]
+    for t, (scale, hist) in enumerate(_reference(grads, fp8_max=57344.0)):  # E5M2
+        np.testing.assert_allclose(meta(states[t + 1])["output_grad_scale"], [scale], rtol=1e-6)
+        np.testing.assert_array_equal(meta(states[t + 1])["output_grad_amax_history"], hist)
+    # the large step's amax is in the history for HIST steps, then forgotten
+    assert float(meta(states[-1])["input_amax_history"].max()) < inputs[1]
+
+
+def test_fp8_close_to_bf16():
+    batch = _batch(3)
+    losses = {}
+    for name, recipe in (("bf16", None), ("delayed", DELAYED), ("current", CURRENT)):
+        state = _state(TX, recipe)
+        for t in range(4):
+            state, metrics = _step()(state, batch, jax.random.key(t))
+        losses[name] = float(metrics["loss"])
+    assert abs(losses["delayed"] - losses["bf16"]) < 0.05 * losses["bf16"], losses
+    assert abs(losses["current"] - losses["bf16"]) < 0.05 * losses["bf16"], losses
+
+
+# --------------------------------------------------------------------------- interactions
+
+
+def _poisoned(seed):
+    batch = _batch(seed)
+    # NaN, not inf: quantizing clips an inf to the fp8 max, a NaN stays NaN
+    batch["image"] = batch["image"].at[0, 0, 0, 0].set(jnp.nan)
+    return batch
+
+
+def test_skipped_step_keeps_fp8_state():
+    state, _ = _step()(_state(TX), _batch(1), jax.random.key(0))
+    skipped, metrics = _step()(state, _poisoned(2), jax.random.key(1))
+    assert not bool(metrics["grad_finite"])
+    assert _eq(skipped.fp8, state.fp8) and _eq(skipped.fp8_pending, state.fp8_pending)
+    assert _eq(skipped.params, state.params)
+    after, _ = _step()(skipped, _batch(3), jax.random.key(2))
+    assert not _eq(after.fp8, state.fp8)
+    meta = after.fp8["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
+    assert np.isfinite(np.asarray(meta)).all()
+
+
+def test_diverged_steps_keep_fp8_state():
+    state, _ = _step()(_state(TX), _batch(1), jax.random.key(0))
+    start = state
+    for t in range(3):
+        state, metrics = _step()(state, _poisoned(5 + t), jax.random.key(t))
+    assert bool(metrics["diverged"])
+    with pytest.raises(jamp.LossScaleDivergedError):
+        jamp.check_divergence(state.opt_state)
+    assert _eq(state.fp8, start.fp8) and _eq(state.fp8_pending, start.fp8_pending)
+
+
+def test_accumulation_combines_amax_by_max():
+    start, one = _state(TX_ACC), _state(TX)
+    b1, b2 = _batch(21), _batch(22)
+    b2["image"] = b2["image"] * 3  # micro-batch 2 holds the larger input amax
+    mid, _ = _step()(start, b1, jax.random.key(0))
+    assert _eq(mid.fp8, start.fp8)  # the window's micro-batches read the same state
+    end, _ = _step()(mid, b2, jax.random.key(1))
+    alone = [_step()(one, b, jax.random.key(0))[0].fp8 for b in (b1, b2)]
+    expected = jax.tree_util.tree_map(jnp.maximum, *alone)
+    assert _eq(end.fp8, expected)
+    # forward amaxes equal one step on the whole batch (one window == one big step)
+    whole = {k: jnp.concatenate([b1[k], b2[k]]) for k in b1}
+    big, _ = _step()(one, whole, jax.random.key(0))
+    for layer in ("Dense_0", "Dense_1"):
+        for name in ("input_amax_history", "kernel_amax_history", "input_scale"):
+            got = end.fp8[layer]["Fp8DirectDotGeneralOp_0"][name]
+            np.testing.assert_array_equal(got, big.fp8[layer]["Fp8DirectDotGeneralOp_0"][name])
+
+
+def test_accumulation_skipped_micro_batch_is_not_combined():
+    start = _state(TX_ACC)
+    b1, b2 = _batch(31), _batch(32)
+    s, _ = _step()(start, b1, jax.random.key(0))
+    s, m = _step()(s, _poisoned(33), jax.random.key(1))
+    assert not bool(m["grad_finite"])
+    s, _ = _step()(s, b2, jax.random.key(2))
+    clean, _ = _step()(_step()(start, b1, jax.random.key(0))[0], b2, jax.random.key(2))
+    assert _eq(s.fp8, clean.fp8)
+
+
+def test_checkpoint_resumes_exactly(tmp_path):
+    state = _state(TX_ACC)
+    for t in range(3):  # stop inside an accumulation window: fp8_pending differs from fp8
+        state, _ = _step()(state, _batch(40 + t), jax.random.key(t))
+    assert not _eq(state.fp8, state.fp8_pending)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", state)
+        ckpt.wait_until_finished()
+        restored = ckpt.restore(tmp_path / "ckpt",
+                                jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state))
+    assert _eq(restored.fp8, state.fp8) and _eq(restored.fp8_pending, state.fp8_pending)
+    a, _ = _step()(state, _batch(50), jax.random.key(9))
+    b, _ = _step()(restored, _batch(50), jax.random.key(9))
+    assert _eq(a.fp8, b.fp8) and _eq(a.params, b.params)
+
+
+def test_data_parallel_devices_hold_the_same_scales():
+    if jax.device_count() < 8:
+        pytest.skip("needs the 8 fake CPU devices of conftest.py")
+    state = _state(TX)
+    batch = _batch(60)
+    single, _ = _step()(state, batch, jax.random.key(0))
+    mesh = make_mesh({"data": 8, "model": 1, "pipe": 1})
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        step = jax.jit(functools.partial(jamp.train_step,
+                                         value_and_grad=parallel_step.value_and_grad()))
+        dp, _ = step(state, sharded, jax.random.key(0))
+    for got, want in zip(jax.tree_util.tree_leaves(dp.fp8),
+                         jax.tree_util.tree_leaves(single.fp8), strict=True):
+        shards = [np.asarray(s.data) for s in got.addressable_shards]
+        assert len(shards) == 8 and all(np.array_equal(s, shards[0]) for s in shards)
+        np.testing.assert_array_equal(shards[0], want)  # max over shards == whole batch
+
+
+def test_recipe_errors():
+    with pytest.raises(ValueError, match="'delayed' or 'current'"):
+        fp8.Fp8Recipe("dynamic")
+    with pytest.raises(ValueError, match="amax_history_length"):
+        fp8.Fp8Recipe(amax_history_length=0)
