@@ -279,3 +279,30 @@ def test_recipe_errors():
         fp8.Fp8Recipe("dynamic")
     with pytest.raises(ValueError, match="amax_history_length"):
         fp8.Fp8Recipe(amax_history_length=0)
+
+
+def test_commit_keeps_state_of_matmuls_off_the_loss_path():
+    state = _state(TX)
+    unused = jax.tree_util.tree_map(jnp.zeros_like, state.fp8)  # what grad gives them
+    new = fp8.commit(state, unused, state.opt_state, jnp.bool_(True))
+    assert _eq(new.fp8, state.fp8)
+
+
+def test_layer_applied_twice_keeps_the_max_not_the_sum():
+    class Twice(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            dense = nn.Dense(16, dtype=jnp.bfloat16,
+                             dot_general_cls=fp8.linen_dot_general_cls(DELAYED))
+            return dense(4 * dense(x.reshape(x.shape[0], -1))).sum(-1, keepdims=True)
+
+    model = Twice()
+    x = jnp.ones((2, 4, 4, 1))
+    v = jax.jit(model.init)(jax.random.key(0), x)
+    state = fp8.TrainState.create(apply_fn=model.apply, params=v["params"], tx=TX,
+                                  fp8=v[fp8.COLLECTION])
+    state, _ = _step()(state, {"image": x, "label": jnp.zeros(2, jnp.int32)}, jax.random.key(0))
+    meta = state.fp8["Dense_0"]["Fp8DirectDotGeneralOp_0"]
+    first = float(jnp.abs(jnp.ones((2, 16)) @ v["params"]["Dense_0"]["kernel"]).max())
+    assert float(meta["input_scale"][0]) == 1.0  # a sum of two uses would say 2
+    np.testing.assert_allclose(meta["input_amax_history"][0], 4 * first, rtol=0.1)
