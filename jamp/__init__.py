@@ -10,6 +10,7 @@ Example:
   'p=full,c=bf16,o=full'
 """
 
+from jamp import fp8
 from jamp.autocast import autocast
 from jamp.flax import PolicyModule, apply_policy, policy_scope, to_mixed_precision
 from jamp.loss_scale import (
@@ -65,6 +66,7 @@ __all__ = [
     "apply_policy",
     "autocast",
     "float32_overrides",
+    "fp8",
     "get_policy",
     "master_params",
     "master_weights",

@@ -55,6 +55,9 @@ class MemoryReport:
       activation_bytes: the part of ``residual_bytes`` computed in the forward
         pass (excludes parameters and inputs saved as they are); ``None`` when
         this JAX version does not expose the breakdown.
+      model_state_bytes: non-parameter model state given as ``model_state``
+        (the fp8 modes' scales and amax histories, :class:`jamp.fp8.TrainState`
+        ``fp8`` and ``fp8_pending``); 0 when none was given.
     """
 
     params_bytes: int
@@ -62,11 +65,13 @@ class MemoryReport:
     opt_state_bytes: int
     residual_bytes: int
     activation_bytes: int | None = None
+    model_state_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        """Params + grads + optimizer state + residuals."""
-        return self.params_bytes + self.grads_bytes + self.opt_state_bytes + self.residual_bytes
+        """Params + grads + optimizer state + residuals + model state."""
+        return (self.params_bytes + self.grads_bytes + self.opt_state_bytes
+                + self.residual_bytes + self.model_state_bytes)
 
     def as_dict(self) -> dict[str, int | None]:
         """The report as a plain dict (for JSON), with ``total_bytes``."""
@@ -76,7 +81,10 @@ class MemoryReport:
         mib = lambda b: "n/a" if b is None else f"{b / 2**20:,.1f} MiB"
         rows = [("params", self.params_bytes), ("grads", self.grads_bytes),
                 ("optimizer state", self.opt_state_bytes), ("residuals", self.residual_bytes),
-                ("  of which activations", self.activation_bytes), ("total", self.total_bytes)]
+                ("  of which activations", self.activation_bytes)]
+        if self.model_state_bytes:
+            rows.append(("model state (fp8)", self.model_state_bytes))
+        rows.append(("total", self.total_bytes))
         return "\n".join(f"{name:<22}{mib(b):>14}" for name, b in rows)
 
 
@@ -109,6 +117,7 @@ def memory_report(
     params: Any,
     *args: Any,
     opt_state: Any = None,
+    model_state: Any = None,
 ) -> MemoryReport:
     """Counts the bytes of a training step of ``loss_fn`` at the JAX level.
 
@@ -120,6 +129,10 @@ def memory_report(
       params: the parameters (in their storage dtype).
       *args: the other inputs of ``loss_fn`` (a batch, labels, ...).
       opt_state: optional optimizer state to count.
+      model_state: optional non-parameter state to count (e.g. the fp8 state:
+        ``(state.fp8, state.fp8_pending)`` of a :class:`jamp.fp8.TrainState`).
+        In the fp8 modes ``loss_fn`` should read it too, so that the residuals
+        are the fp8 matmuls' (fp8 operands with current scaling).
 
     Returns:
       A :class:`MemoryReport`.
@@ -129,6 +142,10 @@ def memory_report(
       >>> r = jamp.memory_report(lambda p, x: (x @ p).sum(), jnp.ones((3, 3)), jnp.ones((1, 3)))
       >>> r.grads_bytes
       36
+      >>> meta = jamp.fp8.init_meta(16)   # 3 scales of 1 float, 3 amax histories of 16
+      >>> jamp.memory_report(lambda p, x: (x @ p).sum(), jnp.ones((3, 3)), jnp.ones((1, 3)),
+      ...                    model_state=meta).model_state_bytes
+      204
     """
     residual_shapes = jax.eval_shape(_residuals_of(loss_fn), params, *args)
     return MemoryReport(
@@ -137,4 +154,5 @@ def memory_report(
         opt_state_bytes=tree_bytes(opt_state) if opt_state is not None else 0,
         residual_bytes=tree_bytes(residual_shapes),
         activation_bytes=_activation_bytes(loss_fn, params, args),
+        model_state_bytes=tree_bytes(model_state) if model_state is not None else 0,
     )

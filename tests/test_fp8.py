@@ -306,3 +306,21 @@ def test_layer_applied_twice_keeps_the_max_not_the_sum():
     first = float(jnp.abs(jnp.ones((2, 16)) @ v["params"]["Dense_0"]["kernel"]).max())
     assert float(meta["input_scale"][0]) == 1.0  # a sum of two uses would say 2
     np.testing.assert_allclose(meta["input_amax_history"][0], 4 * first, rtol=0.1)
+
+
+def test_memory_report_counts_fp8_state_and_fp8_residuals():
+    batch = _batch(0, n=64)  # activations dominate the saved weights
+    reports = {}
+    for name, recipe in (("bf16", None), ("current", CURRENT)):
+        model, v = _model_and_variables(recipe)
+        loss = lambda p, x, model=model: model.apply({"params": p}, x).sum()
+        reports[name] = jamp.memory_report(loss, v["params"], batch["image"])
+    # E4M3 copies of the matmul operands: 1 byte where bf16 keeps 2 (the first layer also
+    # keeps its E4M3 kernel, which bf16 does not need: its input has no gradient)
+    assert reports["current"].activation_bytes < 0.8 * reports["bf16"].activation_bytes
+    state = _state(TX)
+    r = jamp.memory_report(lambda p, x: 0.0 * x.sum(), state.params, batch["image"],
+                           model_state=(state.fp8, state.fp8_pending))
+    # 2 Dense layers x 2 copies x (3 scales + 3 histories of HIST) float32
+    assert r.model_state_bytes == 2 * 2 * (3 + 3 * HIST) * 4
+    assert r.total_bytes == 2 * r.params_bytes + r.residual_bytes + r.model_state_bytes
