@@ -107,13 +107,14 @@ def _params(module: nnx.Module) -> Iterator[tuple[tuple, nnx.Module, nnx.Param]]
 def _check(module: nnx.Module, mp: MixedPrecision) -> None:
     """Raises for an already-policied module or an override NNX layers cannot honour."""
     modules = _modules(module)
-    mp.check_paths((module_path(path) for path in modules), type(module).__name__)
-    for path, node in modules.items():
+    for node in modules.values():
         done = getattr(type(node), "_jamp_precision", None)
         if done is not None:
             raise ValueError(
                 f"{type(node).__name__} already runs under the jamp policy {done.name!r} "
                 f"({done.policy}); apply_policy once, to a model created without one.")
+    mp.check_paths((module_path(path) for path in modules), type(module).__name__)
+    for path, node in modules.items():
         policy = mp.override_for(type(node), module_path(path))
         if (policy is not None and not isinstance(node, NORMS)
                 and jnp.dtype(policy.output_dtype) != jnp.dtype(policy.compute_dtype)):

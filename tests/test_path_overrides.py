@@ -257,13 +257,26 @@ def test_nnx_pattern_errors_when_the_policy_is_applied(overrides, message):
 
 NAMES = st.sampled_from(["head", "stem", "Dense_0", "Dense_1", "blocks", "0", "1"])
 PATHS = st.lists(NAMES, min_size=1, max_size=3).map("/".join)
-PATTERNS = st.one_of(PATHS, PATHS.map(lambda p: p + "/.*"), PATHS.map(lambda p: ".*" + p),
-                     st.just("Dense_[01]"))
+
+
+@st.composite
+def paths_and_patterns(draw):
+    """A path, and patterns of which some match it (prefix/.*, .*suffix, itself)."""
+    path = draw(PATHS)
+    names = path.split("/")
+    near = st.one_of(
+        st.integers(0, len(names)).map(lambda i: "/".join(names[:i] + [".*"])),
+        st.integers(0, len(names) - 1).map(lambda i: ".*" + "/".join(names[i:])),
+        st.just(path), st.just(".*"), st.just("Dense_[01]"))
+    far = st.one_of(PATHS, PATHS.map(lambda p: p + "/.*"), PATHS.map(lambda p: ".*" + p))
+    patterns = draw(st.lists(st.one_of(near, far), min_size=1, max_size=4, unique=True))
+    return path, patterns
 
 
 @settings(max_examples=200, deadline=None)
-@given(patterns=st.lists(PATTERNS, min_size=1, max_size=4, unique=True), path=PATHS)
-def test_policy_for_is_the_one_pattern_matching_in_full(patterns, path):
+@given(case=paths_and_patterns())
+def test_policy_for_is_the_one_pattern_matching_in_full(case):
+    path, patterns = case
     policies = [jamp.get_policy(f"c={d}") for d in ("f16", "bf16", "f32", "f64")]
     mp = jamp.mixed_precision("fp32", overrides=dict(zip(patterns, policies, strict=False)))
     table = dict(mp.path_overrides)
