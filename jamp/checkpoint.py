@@ -2,8 +2,12 @@
 
 One checkpoint holds the train state (params, optimizer and loss-scale state,
 step), the grain iterator position, and JSON metadata (mode, dataset, model)
-that must match on resume. A checkpoint that cannot be read gives a
-:class:`CheckpointError` that says which directory and what to do.
+that must match on resume. A checkpoint that cannot be used gives a
+:class:`CheckpointError` whose advice fits the failure: a different run (its
+metadata or its array shapes differ from this model's: use the old settings or a
+new workdir; deleting the checkpoint would not help, the previous one has the same
+shapes) or damaged files (delete that step to resume from the one before). The
+messages carry no orbax/TensorStore internals.
 
 Usage (in the trainer): ``ckpt.save(step, state, data_iterator, meta)`` every few
 steps, ``ckpt.restore(abstract_state, data_iterator, meta)`` on a rerun; see
@@ -17,6 +21,7 @@ from typing import Any
 
 import grain
 import orbax.checkpoint as ocp
+from absl import logging
 
 
 class CheckpointError(RuntimeError):
@@ -43,7 +48,9 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
             item_names=("state", "data", "meta"),
-            item_handlers={"data": grain.checkpoint.CheckpointHandler()},
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler(),
+                           "data": grain.checkpoint.CheckpointHandler()},
         )
 
     def latest_step(self) -> int | None:
@@ -62,6 +69,39 @@ class Checkpointer:
         """Blocks until pending saves are on disk."""
         self._manager.wait_until_finished()
 
+    def all_steps(self) -> list[int]:
+        """The steps of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The run metadata saved with ``step`` (default: the newest checkpoint).
+
+        Raises:
+          CheckpointError: the checkpoint's files cannot be read.
+        """
+        step = self.latest_step() if step is None else step
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # orbax raises many types for damaged files
+            raise self._damaged(step, e) from None
+
+    def check_meta(self, expected_meta: dict[str, Any], step: int | None = None) -> None:
+        """Raises a :class:`CheckpointError` if ``step``'s metadata differs from this run's.
+
+        Keys the checkpoint does not hold (written by an older jamp) are not compared.
+        """
+        step = self.latest_step() if step is None else step
+        meta = self.read_meta(step)
+        different = {k: (meta[k], v) for k, v in expected_meta.items()
+                     if k in meta and meta[k] != v}
+        if different:
+            detail = "; ".join(f"{k}: checkpoint has {a!r}, this run has {b!r}"
+                               for k, (a, b) in different.items())
+            raise CheckpointError(
+                f"The checkpoint at {self._where(step)} belongs to a different run ({detail}). "
+                f"{self._other_run_fix()}")
+
     def restore(self, abstract_state: Any, data_iterator: Any,
                 expected_meta: dict[str, Any]) -> tuple[int, Any]:
         """Restores the newest checkpoint into ``abstract_state``'s structure and shardings.
@@ -72,37 +112,66 @@ class Checkpointer:
           ``(step, state)``.
 
         Raises:
-          CheckpointError: unreadable, partial or from a different run.
+          CheckpointError: from a different run (metadata or array shapes differ) or
+            unreadable (damaged or partly written files), with advice for each.
         """
         step = self.latest_step()
-        where = os.path.join(self.directory, str(step))
-        fix = (f"Delete {where} to resume from the previous checkpoint, or start over with "
-               "a new --workdir.")
-        try:
-            meta = self._manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # orbax raises many types for damaged files
-            raise CheckpointError(
-                f"The checkpoint at {where} cannot be read ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else 'no detail'}). It is corrupt or was "
-                f"only partly written. {fix}") from None
-        different = {k: (meta.get(k), v) for k, v in expected_meta.items() if meta.get(k) != v}
-        if different:
-            detail = "; ".join(f"{k}: checkpoint has {a!r}, this run has {b!r}"
-                               for k, (a, b) in different.items())
-            raise CheckpointError(
-                f"The checkpoint at {where} belongs to a different run ({detail}). Use a new "
-                "--workdir for this configuration, or rerun with the checkpoint's settings.")
+        self.check_meta(expected_meta, step)
+        self._check_shapes(step, abstract_state)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state),
                 data=grain.checkpoint.CheckpointRestore(data_iterator)))
         except Exception as e:
-            raise CheckpointError(
-                f"The checkpoint at {where} cannot be restored ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else 'no detail'}). It is corrupt, partly "
-                f"written, or its shapes do not match this model. {fix}") from None
+            raise self._damaged(step, e) from None
         return step, restored["state"]
+
+    def _check_shapes(self, step: int, abstract_state: Any) -> None:
+        try:
+            stored = self._manager.item_metadata(step)["state"]
+            stored = ocp.tree.to_flat_dict(getattr(stored, "tree", stored))
+        except Exception as e:
+            raise self._damaged(step, e) from None
+        wanted = ocp.tree.to_flat_dict(abstract_state)
+        missing = sorted(set(wanted) - set(stored))
+        extra = sorted(set(stored) - set(wanted))
+        shapes = [(k, tuple(stored[k].shape), tuple(v.shape)) for k, v in wanted.items()
+                  if k in stored and tuple(stored[k].shape) != tuple(v.shape)]
+        if not (missing or extra or shapes):
+            return
+        if shapes:
+            path, theirs, ours = shapes[0]
+            what = (f"{'/'.join(map(str, path))} has shape {theirs} there and {ours} in this "
+                    f"model" + (f" ({len(shapes) - 1} more arrays differ)" if shapes[1:] else ""))
+        else:
+            what = "its train state has " + ", ".join(
+                [f"no {'/'.join(map(str, missing[0]))}"] * bool(missing)
+                + [f"an extra {'/'.join(map(str, extra[0]))}"] * bool(extra))
+        raise CheckpointError(
+            f"The checkpoint at {self._where(step)} was written for a different model or "
+            f"optimizer: {what}. The model or optimizer settings changed since this run "
+            f"started, and every checkpoint in {self.directory} has the old shapes. "
+            f"{self._other_run_fix()}")
+
+    def _where(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _other_run_fix(self) -> str:
+        config = os.path.join(os.path.dirname(self.directory), "config.json")
+        saved = f" (saved in {config})" if os.path.exists(config) else ""
+        return ("Use a new --workdir for this configuration, or rerun with the settings the "
+                f"run was started with{saved} to resume it.")
+
+    def _damaged(self, step: int, error: BaseException) -> CheckpointError:
+        """The error for unreadable files; the orbax/TensorStore detail goes to the debug log."""
+        logging.debug("Checkpoint %s: %s: %s", self._where(step), type(error).__name__, error)
+        earlier = [s for s in self.all_steps() if s < step]
+        fix = (f"Delete {self._where(step)} and rerun to resume from the previous checkpoint "
+               f"(step {earlier[-1]})" if earlier else
+               f"It is the only checkpoint: delete {self.directory} and rerun to start over")
+        return CheckpointError(
+            f"The checkpoint at {self._where(step)} cannot be read: its files are damaged or "
+            f"were only partly written. {fix}, or use a new --workdir.")
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""

@@ -2,7 +2,13 @@
 
 ``metrics.jsonl`` is strict JSON: a non-finite value (a NaN loss of a diverging
 run) is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` and
-read back as a float by :func:`read_metrics`; TensorBoard gets finite values only.
+read back as a float by :func:`read_metrics`; TensorBoard gets finite values only
+(tensorboardX would warn on each NaN).
+
+A resumed run passes the step it resumes from (``resume_step``): rows logged after
+it (a killed run logs past its last checkpoint) are dropped, and the TensorBoard
+events are rewritten from the rows kept into one event file, so no step is logged
+twice and a run directory holds one event file however often it was resumed.
 
 Example:
   >>> import tempfile
@@ -29,20 +35,47 @@ class MetricsWriter:
     Args:
       workdir: the run directory.
       enabled: write anything at all.
+      resume_step: the step the run (re)starts from: rows after it are dropped and
+        the TensorBoard events rewritten from the rest (0: a fresh start, drop all).
+        None appends to what is there.
+
+    Example:
+      >>> import tempfile
+      >>> workdir = tempfile.mkdtemp()
+      >>> w = MetricsWriter(workdir)
+      >>> for step in (10, 20, 30):
+      ...     w.write(step, {"train/loss": 1.0 / step})
+      >>> w.close()
+      >>> MetricsWriter(workdir, resume_step=20).close()  # a run resumed from step 20
+      >>> [r["step"] for r in read_metrics(workdir)]
+      [10, 20]
     """
 
-    def __init__(self, workdir: str, enabled: bool = True):
+    def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None):
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._tb = None
-        if enabled:
-            os.makedirs(workdir, exist_ok=True)
-            try:
-                from tensorboardX import SummaryWriter
-
-                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-            except ImportError:  # pragma: no cover - tensorboardX is a dependency
-                self._tb = None
+        if not enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        kept = None
+        if resume_step is not None:
+            kept = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(_line(r) for r in kept)
+            os.replace(self.path + ".tmp", self.path)
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:  # pragma: no cover - tensorboardX is a dependency
+            return
+        tb_dir = os.path.join(workdir, "tensorboard")
+        if kept is not None and os.path.isdir(tb_dir):
+            for name in os.listdir(tb_dir):
+                if name.startswith("events.out.tfevents."):
+                    os.remove(os.path.join(tb_dir, name))
+        self._tb = SummaryWriter(tb_dir)
+        for record in kept or ():
+            self._scalars(record)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Records scalar ``metrics`` at ``step``."""
@@ -50,12 +83,14 @@ class MetricsWriter:
             return
         record = {"step": int(step), **{k: _py(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
-            f.write(json.dumps({k: _json_safe(v) for k, v in record.items()},
-                               allow_nan=False) + "\n")
+            f.write(_line(record))
+        self._scalars(record)
+
+    def _scalars(self, record: dict[str, Any]) -> None:
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, int | float) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+                    self._tb.add_scalar(k, v, record["step"])
             self._tb.flush()
 
     def close(self) -> None:
@@ -70,9 +105,26 @@ def _py(value: Any) -> Any:
     return value
 
 
-def _json_safe(value: Any) -> Any:
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps(json_safe(record), allow_nan=False) + "\n"
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float, however nested, as ``"NaN"``/``"Infinity"``.
+
+    The convention of ``metrics.jsonl`` and ``summary.json``: strict JSON that any
+    parser reads; :func:`read_metrics` turns the strings back into floats.
+
+    Example:
+      >>> json_safe({"loss": float("nan"), "history": [[10, float("inf")], [20, 1.0]]})
+      {'loss': 'NaN', 'history': [[10, 'Infinity'], [20, 1.0]]}
+    """
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -83,7 +135,8 @@ def _from_json(record: dict[str, Any]) -> dict[str, Any]:
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
     """Reads back ``metrics.jsonl`` of a run (missing file: empty list).
 
-    Non-finite values come back as floats (``nan``, ``inf``, ``-inf``).
+    Non-finite values come back as floats (``nan``, ``inf``, ``-inf``); a last line
+    cut short (a run killed while writing it) is skipped.
 
     Example:
       >>> read_metrics("/nonexistent")
@@ -93,11 +146,47 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [_from_json(json.loads(line)) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(_from_json(json.loads(line)))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1 or line.endswith("\n"):
+                raise
+    return records
 
 
-def plot_run(workdir: str, out_path: str | None = None) -> str | None:
+def label_smoothing_floor(label_smoothing: float, num_classes: int) -> float:
+    """The lowest cross-entropy a model can reach against label-smoothed targets.
+
+    The targets put ``1 - s + s/K`` on the label and ``s/K`` on each other class;
+    the loss is smallest when the model predicts exactly those, and is then their
+    entropy. A train loss that plateaus there has nothing left to learn.
+
+    Example:
+      >>> round(label_smoothing_floor(0.1, 10), 3)   # the digits config: train loss >= 0.5
+      0.5
+      >>> label_smoothing_floor(0.0, 10)
+      0.0
+    """
+    if not label_smoothing:
+        return 0.0
+    on, off = 1 - label_smoothing + label_smoothing / num_classes, label_smoothing / num_classes
+    return float(-on * math.log(on) - (num_classes - 1) * off * math.log(off))
+
+
+def plot_run(workdir: str, out_path: str | None = None, *, label_smoothing: float = 0.0,
+             num_classes: int | None = None, title: str | None = None) -> str | None:
     """Plots train/eval loss, accuracy and the loss scale of a run to a PNG.
+
+    Args:
+      workdir: the run directory (its ``metrics.jsonl``).
+      out_path: the PNG (default ``workdir/training.png``).
+      label_smoothing, num_classes: when the train loss includes label smoothing, the
+        loss panel says so and draws the loss's floor (:func:`label_smoothing_floor`);
+        the note is also the PNG's ``Description``.
+      title: a line above the panels (e.g. "diverged at step 70").
 
     Returns:
       The PNG path, or None when there is nothing to plot.
@@ -122,6 +211,15 @@ def plot_run(workdir: str, out_path: str | None = None) -> str | None:
     for key, label in (("train/loss", "train"), ("eval/loss", "test")):
         axes[0].plot(*series(key), label=label, marker="o" if key.startswith("eval") else None)
     axes[0].set_title("loss")
+    note = None
+    if label_smoothing:
+        note = f"train loss includes label smoothing {label_smoothing:g}"
+        if num_classes:
+            floor = label_smoothing_floor(label_smoothing, num_classes)
+            note += f" (floor {floor:.2f}); test loss has none"
+            axes[0].axhline(floor, color="gray", linestyle="--", linewidth=1,
+                            label=f"train floor {floor:.2f}")
+        axes[0].set_title(f"loss\n({note})", fontsize=10)
     for key, label in (("train/accuracy", "train"), ("eval/accuracy", "test")):
         axes[1].plot(*series(key), label=label, marker="o" if key.startswith("eval") else None)
     axes[1].set_title("accuracy")
@@ -133,8 +231,10 @@ def plot_run(workdir: str, out_path: str | None = None) -> str | None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     axes[1].legend()
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     out_path = out_path or os.path.join(workdir, "training.png")
-    fig.savefig(out_path, dpi=100)
+    fig.savefig(out_path, dpi=100, metadata={"Description": note or "", "Title": title or ""})
     plt.close(fig)
     return out_path
