@@ -29,6 +29,7 @@ from jamp.loss_scale import (
 from jamp.master import MasterWeightsState, master_params, master_weights
 from jamp.memory import MemoryReport, memory_report, tree_bytes
 from jamp.policy import (
+    FP8_MODES,
     MODE_ALIASES,
     MODES,
     MixedPrecision,
@@ -57,6 +58,7 @@ __all__ = [
     "scale_loss",
     "train_step",
     "MODES",
+    "FP8_MODES",
     "MODE_ALIASES",
     "MasterWeightsState",
     "MemoryReport",

@@ -57,7 +57,7 @@ import numpy as np
 from flax import nnx
 
 import jamp.nnx as jamp_nnx
-from jamp import attention
+from jamp import attention, fp8
 from jamp.autocast import Rules, cast_floating, rewrite
 from jamp.policy import (
     MixedPrecision,
@@ -144,6 +144,8 @@ def _configure(module: nn.Module, mp: MixedPrecision, policy: Policy) -> None:
     ):
         _set_field(module, "attention_fn", attention.dot_product_attention)
     _set_field(module, "softmax_fp32", mp.softmax_fp32)
+    if mp.fp8 is not None and policy is mp.policy:  # fp8 matmuls where no override applies
+        fp8.linen_install(module, mp.fp8)
     # An instance attribute shadows Module.param for this bound clone only.
     object.__setattr__(module, "param", _policy_param(module, policy))
 

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jamp import attention
+from jamp import attention, fp8
 from jamp.autocast import Rules, rewrite
 from jamp.policy import (
     MixedPrecision,
@@ -168,6 +168,8 @@ def _configure(module: nnx.Module, mp: MixedPrecision) -> None:
             node.dtype = policy.output_dtype if isinstance(node, NORMS) else policy.compute_dtype
         if "param_dtype" in vars(node):
             node.param_dtype = policy.param_dtype
+        if mp.fp8 is not None and policy is mp.policy:  # fp8 matmuls where no override applies
+            fp8.nnx_install(node, mp.fp8)
     for path, owner, param in _params(module):
         param.set_value(param.get_value().astype(_policy(mp, path, owner).param_dtype))
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import jmp
 from flax import nnx
 
+from jamp.fp8 import Fp8Recipe
 from jamp.loss_scale import LossScaleConfig
 
 Policy = jmp.Policy
@@ -213,6 +214,9 @@ class MixedPrecision:
         included.
       master_weights: keep fp32 master copies of half-precision params in the
         optimizer state (apex O2 / Colossal-AI naive AMP).
+      fp8: a :class:`jamp.fp8.Fp8Recipe` (or ``"delayed"``/``"current"``): the
+        Dense-type layers under ``policy`` (no override) run fp8 matmuls
+        (:mod:`jamp.fp8`); ``None``: no fp8.
 
     Raises:
       ValueError: for an override key that is neither a module class nor a valid
@@ -231,8 +235,15 @@ class MixedPrecision:
     softmax_fp32: bool = False
     loss_scale: LossScaleConfig = LossScaleConfig()
     master_weights: bool = False
+    fp8: Fp8Recipe | None = None
 
     def __post_init__(self):
+        if isinstance(self.fp8, str):
+            object.__setattr__(self, "fp8", Fp8Recipe(self.fp8))
+        if not (self.fp8 is None or isinstance(self.fp8, Fp8Recipe)):
+            raise ValueError(
+                f"fp8 must be None, 'delayed', 'current' or a jamp.fp8.Fp8Recipe, got "
+                f"{self.fp8!r}; e.g. fp8=jamp.fp8.Fp8Recipe('delayed', amax_history_length=16).")
         if isinstance(self.loss_scale, str):  # a kind with its default settings
             object.__setattr__(self, "loss_scale", LossScaleConfig(self.loss_scale))
         if not isinstance(self.loss_scale, LossScaleConfig):
@@ -382,6 +393,10 @@ def _mode_table() -> dict[str, dict[str, Any]]:
         "fp16_pure": dict(policy=Policy(f16, f16, f16),
                           loss_scale=LossScaleConfig("static", init_scale=1.0)),
         "bf16_pure": dict(policy=Policy(bf16, bf16, bf16)),
+        "fp8": dict(policy=mixedbf, overrides=float32_overrides(mixedbf), softmax_fp32=True,
+                    fp8=Fp8Recipe("delayed")),
+        "fp8_current": dict(policy=mixedbf, overrides=float32_overrides(mixedbf),
+                            softmax_fp32=True, fp8=Fp8Recipe("current")),
     }
 
 
@@ -393,11 +408,15 @@ MODE_ALIASES: dict[str, str] = {
     "fp16_naive": "fp16_naive", "O2": "fp16_naive", "naive": "fp16_naive",
     "fp16_pure": "fp16_pure", "O3": "fp16_pure", "16-true": "fp16_pure",
     "bf16_pure": "bf16_pure", "bf16-true": "bf16_pure",
+    "fp8": "fp8", "fp8_delayed": "fp8", "fp8_current": "fp8_current",
 }
 """Every accepted mode name (Lightning, apex and Colossal-AI spellings) -> canonical name."""
 
 MODES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp16_naive", "fp16_pure", "bf16_pure")
-"""The canonical mode names."""
+"""The canonical mode names without fp8 matmuls."""
+
+FP8_MODES: tuple[str, ...] = ("fp8", "fp8_current")
+"""The canonical fp8 mode names (bf16 plus fp8 matmuls, :mod:`jamp.fp8`)."""
 
 
 def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecision:
@@ -417,6 +436,17 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
         Unsafe: small gradients underflow and updates below f16 resolution are
         lost; for speed baselines only.
       - ``bf16_pure`` ("bf16-true"): everything bf16 (TPU-style pure bf16).
+      - ``fp8`` ("fp8_delayed"): ``bf16`` plus fp8 matmuls with delayed scaling
+        (E4M3 operands, E5M2 gradients, amax history of 1024 steps) in linen
+        ``Dense``/``DenseGeneral`` and NNX ``Linear``/``LinearGeneral``/``Einsum``
+        (attention projections included); the state lives in the
+        ``"_overwrite_with_gradient"`` collection (:mod:`jamp.fp8`). Attention's
+        score and value matmuls stay bf16 (both operands are activations whose
+        range changes per batch, and the float32 softmax sits between them);
+        a layer with an override keeps its own dtype without fp8, e.g. the head
+        with ``overrides={"head": "p=f32,c=bf16,o=f32"}``. Linen ``nn.Einsum``
+        and raw ``jnp.einsum``/``@`` on parameters stay bf16 (no hook).
+      - ``fp8_current``: the same with current scaling (stateless).
 
     Args:
       name: a mode name or alias, or an existing ``MixedPrecision``.
@@ -446,8 +476,9 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
         canonical = MODE_ALIASES.get(str(name).strip()) if isinstance(name, str) else None
         if canonical is None:
             raise ValueError(
-                f"Unknown mixed-precision mode {name!r}. Valid modes: {', '.join(MODES)}; "
-                f"aliases: {', '.join(k for k in MODE_ALIASES if k not in MODES)}."
+                f"Unknown mixed-precision mode {name!r}. Valid modes: "
+                f"{', '.join(MODES + FP8_MODES)}; aliases: "
+                f"{', '.join(k for k in MODE_ALIASES if k not in MODES + FP8_MODES)}."
             )
         base = MixedPrecision(name=canonical, **_mode_table()[canonical])
     fields = {f.name for f in dataclasses.fields(MixedPrecision)} - {"name"}

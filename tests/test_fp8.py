@@ -32,21 +32,20 @@ TX_ACC = jamp.DynamicLossScale(optax.MultiSteps(optax.sgd(0.1), 2), init_scale=1
 
 
 class MLP(nn.Module):
-    """A tiny classifier of [B, 4, 4, 1] images; its Dense layers take fp8 matmuls."""
-
-    recipe: fp8.Fp8Recipe | None = None
+    """A tiny classifier of [B, 4, 4, 1] images, written without dtypes or fp8."""
 
     @nn.compact
     def __call__(self, x, train=False):
         del train
-        x = x.reshape(x.shape[0], -1)
-        kw = {}
-        if self.recipe is not None and self.recipe.scaling == "delayed":
-            kw["dot_general_cls"] = fp8.linen_dot_general_cls(self.recipe)
-        elif self.recipe is not None:
-            kw["dot_general"] = fp8.current_scaling_dot_general
-        x = nn.relu(nn.Dense(16, dtype=jnp.bfloat16, **kw)(x))
-        return nn.Dense(3, dtype=jnp.bfloat16, **kw)(x).astype(jnp.float32)
+        x = nn.relu(nn.Dense(16)(x.reshape(x.shape[0], -1)))
+        return nn.Dense(3)(x)
+
+
+def _mode(recipe):
+    if recipe is None:
+        return jamp.mixed_precision("bf16")
+    return jamp.mixed_precision("fp8" if recipe.scaling == "delayed" else "fp8_current",
+                                fp8=recipe)
 
 
 def _batch(seed, n=8):
@@ -56,7 +55,7 @@ def _batch(seed, n=8):
 
 @functools.cache
 def _model_and_variables(recipe):
-    model = MLP(recipe)  # one instance per recipe: its bound apply is the jit cache's key
+    model = jamp.apply_policy(MLP(), _mode(recipe))  # one per recipe: the jit cache's key
     return model, jax.jit(model.init)(jax.random.key(0), _batch(0)["image"])
 
 
@@ -324,3 +323,40 @@ def test_memory_report_counts_fp8_state_and_fp8_residuals():
     # 2 Dense layers x 2 copies x (3 scales + 3 histories of HIST) float32
     assert r.model_state_bytes == 2 * 2 * (3 + 3 * HIST) * 4
     assert r.total_bytes == 2 * r.params_bytes + r.residual_bytes + r.model_state_bytes
+
+
+def test_modes_reach_linen_and_nnx_projections_not_attention_nor_overridden_layers():
+    class Attn(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)(x)
+            return nn.Dense(2, name="head")(y)
+
+    x = jnp.ones((2, 3, 8))
+    for mode in jamp.FP8_MODES:
+        mp = jamp.mixed_precision(mode, overrides={"head": "p=f32,c=bf16,o=f32"})
+        model = jamp.apply_policy(Attn(), mp)
+        v = jax.jit(model.init)(jax.random.key(0), x)
+        loss = lambda p, v=v, model=model: model.apply({**v, "params": p}, x).sum()
+        fwd = operand_dtypes(loss, v["params"], primitive="dot_general")
+        # q, k, v, out projections in fp8; scores and values in bf16; the overridden head bf16
+        assert sorted(fwd) == sorted([(E4, E4)] * 4 + [("bfloat16", "bfloat16")] * 3), fwd
+        assert (fp8.COLLECTION in v) == (mode == "fp8")
+
+        nnx_model = jamp.apply_policy(
+            nnx.MultiHeadAttention(2, 8, qkv_features=8, decode=False, rngs=nnx.Rngs(0)), mode)
+        graphdef, state = nnx.split(nnx_model)
+        f = lambda s, g=graphdef: nnx.merge(g, s)(x).astype(jnp.float32).sum()
+        fwd = operand_dtypes(f, state, primitive="dot_general")
+        assert sorted(fwd) == sorted([(E4, E4)] * 4 + [("bfloat16", "bfloat16")] * 2), fwd
+        metas = nnx.state(nnx_model, fp8.Fp8Meta)
+        assert len(jax.tree_util.tree_leaves(metas)) == (4 * 6 if mode == "fp8" else 0)
+
+
+def test_fp8_field_errors():
+    with pytest.raises(ValueError, match="fp8 must be None, 'delayed', 'current'"):
+        jamp.mixed_precision("bf16", fp8=3)
+    with pytest.raises(ValueError, match="'delayed' or 'current'"):
+        jamp.mixed_precision("fp8", fp8="sometimes")
+    assert jamp.mixed_precision("bf16", fp8="current").fp8 == CURRENT
+    assert jamp.mixed_precision("fp8_delayed").name == "fp8"
