@@ -43,6 +43,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -287,22 +288,36 @@ def delayed_scaling_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_number
 def linen_dot_general_cls(recipe: Fp8Recipe) -> Any:
     """The linen ``dot_general_cls`` of a delayed recipe: flax's ``Fp8DirectDotGeneralOp``.
 
+    (A subclass of it with the recipe's history length and a clear error when
+    the state collection is missing: an ``nn.scan`` without it in
+    ``variable_axes``, or ``apply`` without ``variables[COLLECTION]``.)
+
     Example:
       >>> import jamp
       >>> jamp.fp8.linen_dot_general_cls(jamp.fp8.Fp8Recipe()).__name__
       'Fp8DirectDotGeneralOp'
     """
-    if recipe.amax_history_length == fp8_ops.Fp8DirectDotGeneralOp.amax_history_length:
-        return fp8_ops.Fp8DirectDotGeneralOp
     return _linen_op(recipe.amax_history_length)
 
 
 @functools.cache
 def _linen_op(length: int) -> type:
+    def setup(self):
+        try:
+            fp8_ops.Fp8DirectDotGeneralOp.setup(self)
+        except flax.errors.ScopeCollectionNotFound:
+            raise ValueError(
+                f"fp8 delayed scaling (mode 'fp8') at {'/'.join(self.scope.path)}: the "
+                f"{COLLECTION!r} variable collection is missing. Under nn.scan add it to "
+                f"variable_axes (e.g. {{'params': 0, jamp.fp8.COLLECTION: 0}}: one state per "
+                "layer); in apply pass variables[jamp.fp8.COLLECTION] from init (the train "
+                "step does so for a jamp.fp8.TrainState); or use mode 'fp8_current', which "
+                "keeps no state.") from None
+
     # A subclass (not a partial): flax names the submodule after its class.
     return type("Fp8DirectDotGeneralOp", (fp8_ops.Fp8DirectDotGeneralOp,),
                 {"__annotations__": {"amax_history_length": int},
-                 "amax_history_length": length, "__module__": __name__})
+                 "amax_history_length": length, "setup": setup, "__module__": __name__})
 
 
 class Fp8Meta(nnx.Variable):

@@ -360,3 +360,36 @@ def test_fp8_field_errors():
         jamp.mixed_precision("fp8", fp8="sometimes")
     assert jamp.mixed_precision("bf16", fp8="current").fp8 == CURRENT
     assert jamp.mixed_precision("fp8_delayed").name == "fp8"
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.relu(nn.Dense(x.shape[-1])(x)), None
+
+
+class _Scanned(nn.Module):
+    axes: tuple = ("params", fp8.COLLECTION)
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = x.reshape(x.shape[0], -1)
+        x = nn.scan(_Block, variable_axes=dict.fromkeys(self.axes, 0),
+                    split_rngs={"params": True}, length=3)()(x, None)[0]
+        return nn.Dense(3)(x)
+
+
+def test_scanned_layers_keep_one_state_each_and_missing_collection_is_a_clear_error():
+    model = jamp.apply_policy(_Scanned(), _mode(DELAYED))
+    batch = _batch(70)
+    v = jax.jit(model.init)(jax.random.key(0), batch["image"])
+    state = fp8.TrainState.create(apply_fn=model.apply, params=v["params"], tx=TX,
+                                  fp8=v[fp8.COLLECTION])
+    state, _ = jax.jit(jamp.train_step)(state, batch, jax.random.key(0))
+    hist = state.fp8["Scan_Block_0"]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
+    assert hist.shape == (3, HIST) and len(set(np.asarray(hist[:, 0]).tolist())) == 3
+    with pytest.raises(ValueError, match="collection is missing. Under nn.scan add it"):
+        jamp.apply_policy(_Scanned(axes=("params",)), _mode(DELAYED)).init(
+            jax.random.key(0), batch["image"])
+    with pytest.raises(ValueError, match=r"pass variables\[jamp.fp8.COLLECTION\]"):
+        model.apply({"params": v["params"]}, batch["image"])
