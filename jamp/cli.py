@@ -50,7 +50,7 @@ from jamp.checkpoint import CheckpointError
 from jamp.config import FIELD_HELP, vit_config
 from jamp.experiment import ConfigError
 from jamp.loss_scale import LossScaleDivergedError
-from jamp.train import train_and_evaluate
+from jamp.train import UnsafeModeWarning, train_and_evaluate
 
 USER_ERRORS = (ConfigError, data.DatasetNotFoundError, CheckpointError, LossScaleDivergedError)
 """Errors reported as one paragraph (no traceback)."""
@@ -108,7 +108,7 @@ def help_text(config: ConfigDict | None = None, source: str = "configs/vit_fp16.
     Example:
       >>> print("\\n".join(line for line in help_text().splitlines()
       ...                  if line.startswith("  --config.batch_size=")))  # doctest: +ELLIPSIS
-        --config.batch_size=64               global batch size, split over processes, ...
+        --config.batch_size=64                     global batch size, split over processes, ...
     """
     config = vit_config("fp16") if config is None else config
     doc = (__doc__ or "").split("\n\n")
@@ -134,11 +134,11 @@ def help_text(config: ConfigDict | None = None, source: str = "configs/vit_fp16.
     return "\n".join(lines)
 
 
-def _item(name: str, meaning: str) -> list[str]:
-    wrapped = textwrap.wrap(meaning, 100 - 39) or [""]
-    if len(name) > 36:
-        return [f"  {name}", *(" " * 39 + w for w in wrapped)]
-    return [f"  {name:<36} {wrapped[0]}", *(" " * 39 + w for w in wrapped[1:])]
+def _item(name: str, meaning: str, width: int = 42) -> list[str]:
+    wrapped = textwrap.wrap(meaning, 100 - width - 3) or [""]
+    if len(name) >= width:
+        return [f"  {name}", *(" " * (width + 3) + w for w in wrapped)]
+    return [f"  {name:<{width}} {wrapped[0]}", *(" " * (width + 3) + w for w in wrapped[1:])]
 
 
 def _flat(config: ConfigDict, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -192,7 +192,6 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 def _run(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it renames at INFO
-    warnings.showwarning = _show_warning
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}: {_FLAGS_FIX}", 2)
     try:
@@ -211,7 +210,9 @@ def _run(argv: list[str]) -> None:
     except ValueError as e:
         _fail(e, 2)
     try:
-        train_and_evaluate(config, workdir)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            train_and_evaluate(config, workdir)
     except USER_ERRORS as e:
         _fail(e, 3 if isinstance(e, LossScaleDivergedError) else 2)
 
@@ -221,8 +222,15 @@ def _fail(error: BaseException | str, status: int) -> NoReturn:
     raise SystemExit(status) from None
 
 
+_SHOW_WARNING = warnings.showwarning
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"jamp.train: warning: {message}", file=sys.stderr, flush=True)
+    """jamp's own warnings as one ``jamp.train: warning:`` paragraph; others as usual."""
+    if issubclass(category, UnsafeModeWarning):
+        print(f"jamp.train: warning: {message}", file=sys.stderr, flush=True)
+    else:
+        _SHOW_WARNING(message, category, filename, lineno, file, line)
 
 
 def _usage_message(error: BaseException) -> str:

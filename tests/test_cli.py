@@ -1,0 +1,156 @@
+"""The ``jamp.train`` command as a new user meets it: help, and every bad input.
+
+Most cases call :func:`jamp.cli.main` in this process (a fresh flag parse per call);
+one subprocess checks the process-level contract (exit status, no traceback,
+nothing written). No case compiles anything: every bad input is refused before.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jamp import cli
+from jamp.config import FIELD_HELP, vit_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(REPO, "configs", "vit_fp16.py")
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["jamp.train", *args])
+    out, err = capsys.readouterr()
+    return exit_.value.code, out, err
+
+
+def _keys() -> dict[str, object]:
+    return dict(cli._flat(vit_config("fp16")))
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_jamp_flags_every_config_key_and_the_examples(capsys, flag):
+    status, out, err = _main(capsys, flag)
+    assert status == 0 and not err
+    for name in ("--config", "--workdir", "--coordinator", "--num_processes", "--process_id"):
+        assert f"\n  {name} " in out, name
+    for key, default in _keys().items():  # every key, its default and one line of meaning
+        line = next(line for line in out.splitlines()
+                    if line.startswith(f"  --config.{key}={default!r} "))
+        assert FIELD_HELP[key].split()[0] in line, line
+    assert "jamp.train --config configs/vit_bf16.py:s16,cifar10" in out  # the examples
+    assert "exit status" in out
+    # absl's, grain's and orbax's own flags stay under --helpfull.
+    assert "--logtostderr" not in out and "--grain_" not in out and "--jax_" not in out
+
+
+def test_every_config_key_has_one_line_of_meaning():
+    assert set(FIELD_HELP) == set(_keys())
+    assert all(text and "\n" not in text for text in FIELD_HELP.values())
+
+
+def test_help_shows_the_named_configs_defaults(capsys):
+    status, out, _ = _main(capsys, f"--config={CONFIG}:s16,cifar10", "-h")
+    assert status == 0
+    assert "  --config.batch_size=128 " in out and "  --config.dataset='cifar10' " in out
+
+
+# (arguments, words the one error line must hold). "W" is replaced by the workdir.
+BAD_INPUTS = [
+    (["--config.batch_size=-8"], ["--config.batch_size=-8", "out of range", ">= 1"]),
+    (["--config.batch_size=0"], ["--config.batch_size=0", ">= 1", "e.g. --config.batch_size="]),
+    (["--config.batch_size=abc"], ["--config.batch_size='abc'", "integer"]),
+    (["--config.learning_rate=-1"], ["--config.learning_rate=-1.0", "> 0"]),
+    (["--config.learning_rate=nan"], ["--config.learning_rate=nan", "> 0"]),
+    (["--config.max_steps=-5"], ["--config.max_steps=-5", ">= 1"]),
+    (["--config.max_steps=1.5"], ["--config.max_steps='1.5'", "integer"]),
+    (["--config.label_smoothing=1.0"], ["label_smoothing", "[0, 1)"]),
+    (["--config.dropout_rate=1.0"], ["dropout_rate", "[0, 1)"]),
+    (["--config.seed=-1"], ["--config.seed=-1", "2**32"]),
+    (["--config.patch_size=0"], ["--config.patch_size=0"]),
+    (["--config.image_size=0"], ["--config.image_size=0"]),
+    (["--config.log_every_steps=0"], ["--config.log_every_steps=0"]),
+    (["--config.warmup_steps=-1"], ["--config.warmup_steps=-1"]),
+    (["--config.optimizer=adam"], ["'adam'", "'adamw' or 'sgd'"]),
+    (["--config.augment=maybe"], ["--config.augment='maybe'", "True or False"]),
+    (["--config.learning_rat=0.1"], ["--config.learning_rat is not", "--config.learning_rate?"]),
+    (["--config.loss_scale.init_scal=2"], ["--config.loss_scale.init_scale?"]),
+    (["--config.loss_scale.growth_factor=0.5"], ["growth_factor", "> 1"]),
+    (["--config.batch_size=60"], ["batch_size=60", "8 devices", "multiple of 8"]),
+    (["--workdirr=x"], ["workdirr", "--workdir DIR"]),
+    (["extra"], ["unexpected arguments ['extra']"]),
+    (["--config.dataset=cifar10", "--config.data_dir=W"], ["cifar10", "tfds build"]),
+]
+
+
+def test_bad_inputs_one_error_line_exit_2_nothing_written(tmp_path, capsys):
+    for i, (args, needles) in enumerate(BAD_INPUTS):
+        workdir = tmp_path / f"run{i}"
+        args = [a.replace("=W", f"={tmp_path}") for a in args]
+        status, out, err = _main(capsys, f"--config={CONFIG}", *args, f"--workdir={workdir}")
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert status == 2, (args, err)
+        assert len(lines) == 1 and lines[0].startswith("jamp.train: error: "), (args, err)
+        for needle in needles:
+            assert needle in lines[0], (args, needle, lines[0])
+        assert not workdir.exists(), args
+
+
+def test_missing_config_and_unusable_workdirs(tmp_path, capsys, monkeypatch):
+    status, _, err = _main(capsys, f"--workdir={tmp_path / 'run'}")
+    assert status == 2 and err.startswith("jamp.train: error: --config is required")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    small = ["--config.num_layers=1", "--config.hidden_size=16", "--config.num_heads=2",
+             "--config.mlp_dim=32"]
+    for workdir, needle in ((a_file, "it is a file"), (a_file / "run", "is a file")):
+        status, _, err = _main(capsys, f"--config={CONFIG}", *small, f"--workdir={workdir}")
+        assert status == 2 and err.count("\n") == 1 and needle in err, err
+    assert a_file.read_text() == "not a directory"
+
+    # A read-only directory (root writes anywhere: report what access() says).
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: real_access(p, mode) and (
+        os.path.abspath(p) != str(read_only)))
+    status, _, err = _main(capsys, f"--config={CONFIG}", *small, f"--workdir={read_only}/run")
+    assert status == 2 and "cannot be written" in err and "read-only" in err, err
+    assert os.listdir(read_only) == []
+
+
+def test_subprocess_exit_status_no_traceback_nothing_written(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    runs = [subprocess.run([sys.executable, "-m", "jamp.train", *args], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+            for args in ([f"--config={CONFIG}", "--config.batch_size=0",
+                          f"--workdir={tmp_path / 'run'}"],
+                         ["--config=configs/vit_fp16.py", f"--workdir={a_file}"])]
+    for run in runs:
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert "Traceback" not in run.stderr
+        assert run.stderr.count("jamp.train: error: ") == 1, run.stderr
+    assert "--config.batch_size=0 is out of range" in runs[0].stderr
+    assert "it is a file" in runs[1].stderr
+    assert os.listdir(tmp_path) == ["a_file"] and a_file.read_text() == ""
+
+
+def test_fp16_pure_warns_at_start_and_fp16_does_not(tmp_path, capsys, monkeypatch):
+    from jamp import train
+    from jamp.experiment import ConfigError
+
+    def stop(*args, **kwargs):  # the warning comes before anything is built for the run
+        raise ConfigError("stopped by the test")
+
+    monkeypatch.setattr(train, "_start", stop)
+    for mode, warned in (("fp16_pure", True), ("O3", True), ("fp16", False), ("bf16", False)):
+        status, _, err = _main(capsys, f"--config={CONFIG}", f"--config.mode={mode}",
+                               f"--workdir={tmp_path / mode}")
+        lines = err.splitlines()
+        assert status == 2 and lines[-1] == "jamp.train: error: stopped by the test", err
+        assert (lines[0].startswith("jamp.train: warning: mode fp16_pure keeps parameters")
+                if warned else len(lines) == 1), (mode, err)
