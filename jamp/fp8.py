@@ -27,6 +27,17 @@ every use of one state entry combine by **max** (flax's ``fm32`` dtype), so a
 layer applied twice, a scan that broadcasts the state, or several
 micro-batches keep the largest amax instead of a sum.
 
+The train step (:func:`jamp.train_step` on a :class:`TrainState`) differentiates
+the state with the parameters and keeps it out of the optimizer and the loss
+scale: the new state is written back only when the loss scale applied the
+step, combined by max over the micro-batches of an ``optax.MultiSteps``
+window, and max-reduced over the 'data' shards of
+``jamp.parallel.step.value_and_grad`` (:func:`reduce_amax`), so every device
+holds the same scales. With loss scaling the E5M2 gradient amax is that of
+the *scaled* gradient (the tensor being quantized). Not covered: NNX
+accumulation windows (:func:`nnx_commit` commits each applied step) and
+pipelined meshes (the state has no stage layout there).
+
 Example:
   >>> import jax, jax.numpy as jnp, jamp
   >>> x = jnp.ones((4, 8), jnp.bfloat16); w = jnp.full((8, 2), 0.5, jnp.bfloat16)
