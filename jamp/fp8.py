@@ -88,6 +88,11 @@ class Fp8Recipe:
       scaling: ``"delayed"`` (scale from an amax history, state in
         :data:`COLLECTION`) or ``"current"`` (scale from the tensor itself).
       amax_history_length: steps of amax history kept per tensor (delayed only).
+      keep_bf16: names of layers that keep their bf16 matmul (matched against the
+        last component of the module path; absent names are fine). By default
+        the classifier ``"head"``: like Transformer Engine and torchao recipes,
+        the last layer stays in higher precision (its logits feed the loss
+        directly and its matmul is too small to gain from fp8).
 
     Example:
       >>> import jamp
@@ -97,8 +102,15 @@ class Fp8Recipe:
 
     scaling: Scaling = "delayed"
     amax_history_length: int = 1024
+    keep_bf16: tuple[str, ...] = ("head",)
 
     def __post_init__(self):
+        if isinstance(self.keep_bf16, str) or not all(
+                isinstance(n, str) for n in self.keep_bf16):
+            raise ValueError(
+                f"keep_bf16 must be a tuple of layer names, got {self.keep_bf16!r}; e.g. "
+                "keep_bf16=('head',) or ().")
+        object.__setattr__(self, "keep_bf16", tuple(self.keep_bf16))
         if self.scaling not in ("delayed", "current"):
             raise ValueError(
                 f"fp8 scaling must be 'delayed' or 'current', got {self.scaling!r}.")
@@ -392,7 +404,8 @@ NNX_LAYERS: tuple[type, ...] = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 def linen_install(module: nn.Module, recipe: Fp8Recipe) -> bool:
     """Sets the fp8 matmul of a bound linen ``Dense``/``DenseGeneral`` (by the policy interceptor).
 
-    Returns whether ``module`` is such a layer. Delayed scaling sets
+    Returns whether ``module`` is such a layer (and not named in
+    ``recipe.keep_bf16``). Delayed scaling sets
     ``dot_general_cls`` to flax's ``Fp8DirectDotGeneralOp`` (state in
     :data:`COLLECTION`, under the layer); current scaling sets ``dot_general``.
 
@@ -401,7 +414,7 @@ def linen_install(module: nn.Module, recipe: Fp8Recipe) -> bool:
       >>> jamp.fp8.linen_install(nn.LayerNorm(), jamp.fp8.Fp8Recipe())
       False
     """
-    if not isinstance(module, LINEN_LAYERS):
+    if not isinstance(module, LINEN_LAYERS) or module.name in recipe.keep_bf16:
         return False
     if recipe.scaling == "delayed":
         name, value = "dot_general_cls", linen_dot_general_cls(recipe)
@@ -412,10 +425,11 @@ def linen_install(module: nn.Module, recipe: Fp8Recipe) -> bool:
     return True
 
 
-def nnx_install(layer: nnx.Module, recipe: Fp8Recipe) -> bool:
+def nnx_install(layer: nnx.Module, recipe: Fp8Recipe, name: Any = None) -> bool:
     """Gives an ``nnx.Linear``/``LinearGeneral``/``Einsum`` an fp8 matmul, in place.
 
-    Returns whether ``layer`` is such a layer. Delayed scaling installs a
+    Returns whether ``layer`` is such a layer (and ``name``, the last component
+    of its path, is not in ``recipe.keep_bf16``). Delayed scaling installs a
     :class:`DelayedScalingDot` (its :class:`Fp8Meta` state becomes part of the
     layer's state); current scaling installs :func:`current_scaling_dot_general`.
 
@@ -428,7 +442,8 @@ def nnx_install(layer: nnx.Module, recipe: Fp8Recipe) -> bool:
       >>> layer.dot_general.__name__
       'current_scaling_dot_general'
     """
-    if not isinstance(layer, NNX_LAYERS):
+    if not isinstance(layer, NNX_LAYERS) or (name is not None and
+                                             str(name) in recipe.keep_bf16):
         return False
     einsum = isinstance(layer, nnx.Einsum)
     name = "einsum_op" if einsum else "dot_general"

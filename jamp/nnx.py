@@ -169,7 +169,7 @@ def _configure(module: nnx.Module, mp: MixedPrecision) -> None:
         if "param_dtype" in vars(node):
             node.param_dtype = policy.param_dtype
         if mp.fp8 is not None and policy is mp.policy:  # fp8 matmuls where no override applies
-            fp8.nnx_install(node, mp.fp8)
+            fp8.nnx_install(node, mp.fp8, path[-1] if path else None)
     for path, owner, param in _params(module):
         param.set_value(param.get_value().astype(_policy(mp, path, owner).param_dtype))
 

@@ -442,10 +442,12 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
         (attention projections included); the state lives in the
         ``"_overwrite_with_gradient"`` collection (:mod:`jamp.fp8`). Attention's
         score and value matmuls stay bf16 (both operands are activations whose
-        range changes per batch, and the float32 softmax sits between them);
-        a layer with an override keeps its own dtype without fp8, e.g. the head
-        with ``overrides={"head": "p=f32,c=bf16,o=f32"}``. Linen ``nn.Einsum``
-        and raw ``jnp.einsum``/``@`` on parameters stay bf16 (no hook).
+        range changes per batch, and the float32 softmax sits between them), so
+        does a layer named ``head`` (``Fp8Recipe.keep_bf16``: the classifier
+        feeds the loss directly and is too small to gain) and any layer with an
+        override (``overrides={"out": "p=f32,c=bf16,o=f32"}``). Linen
+        ``nn.Einsum`` and raw ``jnp.einsum``/``@`` on parameters stay bf16 (no
+        hook).
       - ``fp8_current``: the same with current scaling (stateless).
 
     Args:

@@ -3,6 +3,7 @@ delayed-scaling state against a hand-computed reference, skip/accumulation/mesh/
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -330,17 +331,22 @@ def test_modes_reach_linen_and_nnx_projections_not_attention_nor_overridden_laye
         @nn.compact
         def __call__(self, x):
             y = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)(x)
-            return nn.Dense(2, name="head")(y)
+            return nn.Dense(2, name="head")(nn.Dense(8, name="out")(y))
 
     x = jnp.ones((2, 3, 8))
     for mode in jamp.FP8_MODES:
-        mp = jamp.mixed_precision(mode, overrides={"head": "p=f32,c=bf16,o=f32"})
-        model = jamp.apply_policy(Attn(), mp)
-        v = jax.jit(model.init)(jax.random.key(0), x)
-        loss = lambda p, v=v, model=model: model.apply({**v, "params": p}, x).sum()
-        fwd = operand_dtypes(loss, v["params"], primitive="dot_general")
-        # q, k, v, out projections in fp8; scores and values in bf16; the overridden head bf16
-        assert sorted(fwd) == sorted([(E4, E4)] * 4 + [("bfloat16", "bfloat16")] * 3), fwd
+        default = jamp.mixed_precision(mode)
+        for mp, n_fp8 in ((default, 5), (jamp.mixed_precision(mode, overrides={
+                "out": "p=f32,c=bf16,o=f32"}), 4), (jamp.mixed_precision(
+                    mode, fp8=dataclasses.replace(default.fp8, keep_bf16=())), 6)):
+            model = jamp.apply_policy(Attn(), mp)
+            v = jax.jit(model.init)(jax.random.key(0), x)
+            loss = lambda p, v=v, model=model: model.apply({**v, "params": p}, x).sum()
+            fwd = operand_dtypes(loss, v["params"], primitive="dot_general")
+            # q, k, v, out projections and "out" in fp8; scores and values bf16; the head
+            # (keep_bf16) and an overridden layer bf16
+            bf = ("bfloat16", "bfloat16")
+            assert sorted(fwd) == sorted([(E4, E4)] * n_fp8 + [bf] * (8 - n_fp8)), fwd
         assert (fp8.COLLECTION in v) == (mode == "fp8")
 
         nnx_model = jamp.apply_policy(
@@ -352,12 +358,22 @@ def test_modes_reach_linen_and_nnx_projections_not_attention_nor_overridden_laye
         metas = nnx.state(nnx_model, fp8.Fp8Meta)
         assert len(jax.tree_util.tree_leaves(metas)) == (4 * 6 if mode == "fp8" else 0)
 
+    class Classifier(nnx.Module):
+        def __init__(self):
+            self.body, self.head = (nnx.Linear(4, 4, rngs=nnx.Rngs(0)) for _ in range(2))
+
+    model = jamp.apply_policy(Classifier(), "fp8_current")
+    assert model.body.dot_general is fp8.current_scaling_dot_general
+    assert model.head.dot_general is jax.lax.dot_general  # keep_bf16: the head
+
 
 def test_fp8_field_errors():
     with pytest.raises(ValueError, match="fp8 must be None, 'delayed', 'current'"):
         jamp.mixed_precision("bf16", fp8=3)
     with pytest.raises(ValueError, match="'delayed' or 'current'"):
         jamp.mixed_precision("fp8", fp8="sometimes")
+    with pytest.raises(ValueError, match="keep_bf16 must be a tuple of layer names"):
+        fp8.Fp8Recipe(keep_bf16="head")
     assert jamp.mixed_precision("bf16", fp8="current").fp8 == CURRENT
     assert jamp.mixed_precision("fp8_delayed").name == "fp8"
 
