@@ -334,21 +334,23 @@ def test_modes_reach_linen_and_nnx_projections_not_attention_nor_overridden_laye
             return nn.Dense(2, name="head")(nn.Dense(8, name="out")(y))
 
     x = jnp.ones((2, 3, 8))
-    for mode in jamp.FP8_MODES:
-        default = jamp.mixed_precision(mode)
-        for mp, n_fp8 in ((default, 5), (jamp.mixed_precision(mode, overrides={
-                "out": "p=f32,c=bf16,o=f32"}), 4), (jamp.mixed_precision(
-                    mode, fp8=dataclasses.replace(default.fp8, keep_bf16=())), 6)):
-            model = jamp.apply_policy(Attn(), mp)
-            v = jax.jit(model.init)(jax.random.key(0), x)
-            loss = lambda p, v=v, model=model: model.apply({**v, "params": p}, x).sum()
-            fwd = operand_dtypes(loss, v["params"], primitive="dot_general")
-            # q, k, v, out projections and "out" in fp8; scores and values bf16; the head
-            # (keep_bf16) and an overridden layer bf16
-            bf = ("bfloat16", "bfloat16")
-            assert sorted(fwd) == sorted([(E4, E4)] * n_fp8 + [bf] * (8 - n_fp8)), fwd
-        assert (fp8.COLLECTION in v) == (mode == "fp8")
+    bf = ("bfloat16", "bfloat16")
+    current = jamp.mixed_precision("fp8_current")
+    cases = [(jamp.mixed_precision("fp8"), 5), (current, 5),
+             (jamp.mixed_precision("fp8_current", overrides={"out": "p=f32,c=bf16,o=f32"}), 4),
+             (jamp.mixed_precision("fp8_current",
+                                   fp8=dataclasses.replace(current.fp8, keep_bf16=())), 6)]
+    for mp, n_fp8 in cases:
+        model = jamp.apply_policy(Attn(), mp)
+        v = jax.eval_shape(model.init, jax.random.key(0), x)  # shapes are enough for a jaxpr
+        fwd = operand_dtypes(lambda v, model=model: model.apply(v, x).sum(), v,
+                             primitive="dot_general")
+        # q, k, v, out projections and "out" in fp8; scores and values bf16; the head
+        # (keep_bf16) and an overridden layer bf16
+        assert sorted(fwd) == sorted([(E4, E4)] * n_fp8 + [bf] * (8 - n_fp8)), fwd
+        assert (fp8.COLLECTION in v) == (mp.name == "fp8")
 
+    for mode in jamp.FP8_MODES:
         nnx_model = jamp.apply_policy(
             nnx.MultiHeadAttention(2, 8, qkv_features=8, decode=False, rngs=nnx.Rngs(0)), mode)
         graphdef, state = nnx.split(nnx_model)
