@@ -53,7 +53,8 @@ xla_flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in xla_flags:
     os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count=8".strip()
 
-# Colab only: install jamp from GitHub, with the JAX build for this runtime's accelerator.
+# Colab only: install jamp (an uploaded wheel or checkout, or the repository), with the JAX
+# build for this runtime's accelerator.
 if "google.colab" in sys.modules:
     tpu = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
                or "COLAB_TPU_ADDR" in os.environ)
@@ -63,7 +64,20 @@ if "google.colab" in sys.modules:
         jax_pkg = "jax[tpu]"
     else:
         jax_pkg = "jax"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"jamp @ git+{JAMP_REPO}",
+    # jamp's distribution is jamp-jax (`pip install jamp` gets an unrelated project).
+    # A wheel or checkout uploaded to /content wins; else JAMP_REPO if it can be reached.
+    local = sorted(glob.glob("/content/jamp_jax-*.whl")) + [
+        d for d in ("/content/jamp",) if os.path.exists(f"{d}/pyproject.toml")]
+    reachable = not local and subprocess.run(
+        ["git", "ls-remote", "--exit-code", JAMP_REPO, "HEAD"], capture_output=True,
+        timeout=60, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"}).returncode == 0
+    if not (local or reachable):
+        raise RuntimeError(
+            f"{JAMP_REPO} cannot be reached and /content holds no jamp_jax-*.whl wheel or "
+            "jamp/ checkout: upload one (`pip wheel --no-deps -w dist .` in a checkout builds "
+            "the wheel) or set JAMP_REPO to a reachable fork, then run this cell again.")
+    source = local[0] if local else f"jamp-jax @ git+{JAMP_REPO}"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", source,
                     f"{jax_pkg}>=0.7,<0.12"], check=True)
 
 # The mesh needs a multiple of 4 devices (model 2 x pipe 2). Ask a separate process how
