@@ -316,29 +316,32 @@ def test_gpipe_layer_runner_matches_the_scan(linen_module, linen_params):
 
 def test_unscanned_rematted_blocks_and_dropout_match_linen(linen_module, linen_params):
     module = linen_module.clone(scan_layers=False, remat=True)
-    params = dict(linen_params, head={"kernel": np.eye(16, 10, dtype=np.float32),
-                                      "bias": np.zeros(10, np.float32)})
-    params["encoder"] = {f"layers_{i}": jax.tree.map(lambda a, i=i: np.asarray(a)[i],
-                                                     linen_params["encoder"]["layers"])
+    # Every weight perturbed (norms and head start as ones/zeros): a misplaced one shows.
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda a: np.asarray(a) + rng.normal(0, 0.1, a.shape).astype(a.dtype),
+                          linen_params)
+    params["encoder"] = {f"layers_{i}": jax.tree.map(lambda a, i=i: a[i],
+                                                     params["encoder"]["layers"])
                          for i in range(2)}
     model = vit_nnx.from_linen(module, params)
     assert sorted(vit_nnx.to_linen(model)["encoder"]) == ["layers_0", "layers_1"]
-    dropout = vit_nnx.from_linen(module.clone(dropout_rate=0.5, attention_dropout_rate=0.5),
-                                 params)
-    (apply_fn, nnx_params), (apply_dropout, _) = (vit_nnx.functional(m) for m in (model, dropout))
+    # Attention dropout only happens in the encoder blocks; dropout_rate everywhere.
+    apply_fn, nnx_params = vit_nnx.functional(model)
+    dropouts = [vit_nnx.functional(vit_nnx.from_linen(module.clone(**rate), params))[0]
+                for rate in ({"attention_dropout_rate": 0.5}, {"dropout_rate": 0.5})]
 
     @functools.partial(jax.jit, compiler_options=FAST)
     def outputs(p, linen_p, x):
-        train = lambda k: apply_dropout({"params": p}, x, train=True, rngs={"dropout": k})
+        train = lambda f, k: f({"params": p}, x, train=True, rngs={"dropout": jax.random.key(k)})
         return (apply_fn({"params": p}, x), module.apply({"params": linen_p}, x),
-                apply_dropout({"params": p}, x), train(jax.random.key(0)),
-                train(jax.random.key(0)), train(jax.random.key(1)))
+                [(f({"params": p}, x), train(f, 0), train(f, 0), train(f, 1)) for f in dropouts])
 
-    ours, linen, no_dropout, a, b, c = outputs(nnx_params, params, BATCHES[0]["image"])
+    ours, linen, dropped = outputs(nnx_params, params, BATCHES[0]["image"])
     np.testing.assert_allclose(ours, linen, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(no_dropout, ours)  # train=False: no dropout
-    np.testing.assert_array_equal(a, b)  # the same key, the same masks
-    assert not np.allclose(a, c) and not np.allclose(a, ours)
+    for no_dropout, a, b, c in dropped:
+        np.testing.assert_array_equal(no_dropout, ours)  # train=False: no dropout
+        np.testing.assert_array_equal(a, b)  # the same key, the same masks
+        assert not np.allclose(a, c) and not np.allclose(a, ours)
 
 
 # ----------------------------------------------------------------------------- errors
