@@ -36,10 +36,21 @@ class Checkpointer:
       keep: how many recent checkpoints to keep.
 
     Example:
-      >>> import tempfile
-      >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=1)
+      >>> import tempfile, grain, jax.numpy as jnp
+      >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=2)
       >>> ckpt.latest_step() is None
       True
+      >>> data = iter(grain.MapDataset.range(8).to_iter_dataset())
+      >>> ckpt.save(5, {"w": jnp.ones(2)}, data, {"mode": "fp16"})
+      >>> ckpt.wait()
+      >>> ckpt.all_steps(), ckpt.read_meta()
+      ([5], {'mode': 'fp16'})
+      >>> try:
+      ...     ckpt.check_meta({"mode": "bf16"})
+      ... except CheckpointError as e:
+      ...     print(str(e).split("(")[1].split(")")[0])
+      mode: checkpoint has 'fp16', this run has 'bf16'
+      >>> ckpt.close()
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int = 2):
