@@ -411,3 +411,26 @@ def test_scanned_layers_keep_one_state_each_and_missing_collection_is_a_clear_er
             jax.random.key(0), batch["image"])
     with pytest.raises(ValueError, match=r"pass variables\[jamp.fp8.COLLECTION\]"):
         model.apply({"params": v["params"]}, batch["image"])
+
+
+def test_nnx_step_with_loss_scale_keeps_state_of_skipped_steps():
+    mp = jamp.mixed_precision("fp8", loss_scale="dynamic",
+                              fp8=fp8.Fp8Recipe("delayed", amax_history_length=HIST))
+    model = jamp.apply_policy(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), mp)
+    optimizer = nnx.Optimizer(model, jamp.make_optimizer(mp, optax.sgd(0.1)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        loss = lambda m: jamp.scale_loss(m(x).astype(jnp.float32).mean(), optimizer)
+        grads = nnx.grad(loss, argnums=nnx.DiffState(0, fp8.PARAMS_AND_META))(model)
+        optimizer.update(model, nnx.filter_state(grads, nnx.Param))
+        fp8.nnx_commit(model, grads, jamp.overflow_stats(optimizer).last_finite)
+
+    step(model, optimizer, jnp.full((2, 4), 2.0))
+    before = jax.tree_util.tree_map(np.asarray, nnx.state(model, fp8.Fp8Meta))
+    step(model, optimizer, jnp.full((2, 4), jnp.nan))
+    assert not bool(jamp.overflow_stats(optimizer).last_finite)
+    assert _eq(nnx.state(model, fp8.Fp8Meta), before)
+    step(model, optimizer, jnp.full((2, 4), 3.0))
+    hist = model.dot_general.input_amax_history[...]
+    assert hist[0] == 3.0 and hist[-1] == 2.0  # the skipped step left no trace
