@@ -119,7 +119,7 @@ def test_replacing_the_policy_keeps_norms_returning_compute_dtype():
 
 def test_unknown_mode_and_field_are_rejected():
     with pytest.raises(ValueError, match="Valid modes: fp32, fp16, bf16, fp16_naive"):
-        jamp.mixed_precision("fp8")
+        jamp.mixed_precision("fp4")
     with pytest.raises(ValueError, match="Unknown field.*init_scael.*Valid fields:.*init_scale"):
         jamp.mixed_precision("fp16", init_scael=3)
     with pytest.raises(ValueError, match="kind 'sometimes' is not valid"):
