@@ -144,14 +144,21 @@ def tensor_scale(x: jax.Array, fp8_dtype: Any) -> jax.Array:
 def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> jax.Array:
     """``x / scale`` in float32, clipped to the fp8 range, cast to ``fp8_dtype``.
 
+    Finite values saturate at the fp8 maximum; inf, -inf and NaN become NaN, so an
+    overflow upstream still reaches the loss scale's finite check and the
+    divergence guard instead of turning into a plausible large number.
+
     Example:
       >>> import jax.numpy as jnp, jamp
-      >>> q = jamp.fp8.quantize(jnp.array([1000.0, 1.0]), jamp.fp8.E4M3, jnp.float32(1.0))
+      >>> x = jnp.array([1000.0, 1.0, jnp.inf])
+      >>> q = jamp.fp8.quantize(x, jamp.fp8.E4M3, jnp.float32(1.0))
       >>> q.dtype, q.astype(jnp.float32).tolist()
-      (dtype(float8_e4m3fn), [448.0, 1.0])
+      (dtype(float8_e4m3fn), [448.0, 1.0, nan])
     """
     limit = _fp8_max(fp8_dtype)
-    return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(fp8_dtype)
+    x = x.astype(jnp.float32) / scale
+    x = jnp.where(jnp.isfinite(x), jnp.clip(x, -limit, limit), jnp.nan)
+    return x.astype(fp8_dtype)
 
 
 def _remaining(n: int, *removed: Sequence[int]) -> list[int]:

@@ -186,6 +186,27 @@ def _poisoned(seed):
     return batch
 
 
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+@pytest.mark.parametrize("where", ["input", "gradient"])
+def test_current_scaling_passes_a_non_finite_value_on_as_nan(bad, where):
+    # Saturating an inf to the fp8 max would hide the overflow from the loss scale.
+    x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16)
+    g = jnp.ones((2, 4), jnp.bfloat16)
+    if where == "input":
+        x = x.at[1, 2].set(bad)
+    else:
+        g = g.at[0, 1].set(bad)
+    dims = (((1,), (0,)), ((), ()))
+    y, vjp = jax.vjp(lambda a, b: fp8.current_scaling_dot_general(a, b, dims), x, w)
+    dx, dw = vjp(g)
+    assert not np.isfinite(np.asarray(dw, np.float32)).all()
+    if where == "input":
+        assert not np.isfinite(np.asarray(y, np.float32)).all()
+    else:
+        assert np.isfinite(np.asarray(y, np.float32)).all()
+        assert not np.isfinite(np.asarray(dx, np.float32)).all()
+
+
 def test_skipped_step_keeps_fp8_state():
     state, _ = _step()(_state(TX), _batch(1), jax.random.key(0))
     skipped, metrics = _step()(state, _poisoned(2), jax.random.key(1))
