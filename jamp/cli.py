@@ -70,8 +70,8 @@ _CONFIG_FIX = ("Pass a config file such as --config configs/vit_fp16.py, optiona
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: ``jamp.train --config configs/vit_fp16.py``.
 
-    ``--help``/``-h`` print :func:`help_text` and exit 0; see the module docstring
-    for the exit statuses.
+    ``--help``/``-h`` print :func:`help_text` and exit 0 (``--helpfull`` adds every
+    absl flag of the libraries); see the module docstring for the exit statuses.
 
     Example:
       >>> try:
@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> None:
         print(help_text(*_help_config(argv[1:])), flush=True)
         raise SystemExit(0)
     _define_flags()
+    if any(arg in ("--helpfull", "-helpfull") for arg in argv[1:]):
+        print(help_text(*_help_config(argv[1:])), "\nEvery flag, absl's, grain's, orbax's and "
+              f"tfds's included:\n{flags.FLAGS.get_help()}", sep="\n", flush=True)
+        raise SystemExit(0)
     # ml_collections reads the config overrides from sys.argv; a fresh parse per call.
     saved, sys.argv = sys.argv, argv
     try:
@@ -125,7 +129,7 @@ def help_text(config: ConfigDict | None = None, source: str = "configs/vit_fp16.
     ]
     for name in _JAMP_FLAGS:
         lines += _item(f"--{name}", _define_flags()[name].help)
-    lines += _item("-h, --help", "this help (absl's, grain's and orbax's flags: --helpfull)")
+    lines += _item("-h, --help", "this help; --helpfull adds absl's, grain's and orbax's flags")
     lines += ["", f"config keys (--config.KEY=VALUE; the defaults of {source}):"]
     for key, value in _flat(config):
         lines += _item(f"--config.{key}={value!r}", FIELD_HELP.get(key, ""))

@@ -47,6 +47,11 @@ def test_help_lists_jamp_flags_every_config_key_and_the_examples(capsys, flag):
     assert "--logtostderr" not in out and "--grain_" not in out and "--jax_" not in out
 
 
+def test_helpfull_adds_the_libraries_flags_and_exits_0(capsys):
+    status, out, _ = _main(capsys, "--helpfull")
+    assert status == 0 and "  --config.batch_size=64 " in out and "logtostderr" in out
+
+
 def test_every_config_key_has_one_line_of_meaning():
     assert set(FIELD_HELP) == set(_keys())
     assert all(text and "\n" not in text for text in FIELD_HELP.values())
