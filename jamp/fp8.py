@@ -307,12 +307,32 @@ def delayed_scaling_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_number
       ([1.0, 0.0], [1.0, 0.0])
     """
     dtype = rhs.dtype
-    return fp8_ops.fp8_scaled_dot_general(
-        lhs.astype(dtype), rhs, dimension_numbers, preferred_element_type=dtype,
+    y = fp8_ops.fp8_scaled_dot_general(
+        _non_finite_as_nan(lhs.astype(dtype)), _non_finite_as_nan(rhs), dimension_numbers,
+        preferred_element_type=dtype,
         lhs_scale=meta["input_scale"], rhs_scale=meta["kernel_scale"],
         grad_scale=meta["output_grad_scale"], lhs_amax_history=meta["input_amax_history"],
         rhs_amax_history=meta["kernel_amax_history"],
         grad_amax_history=meta["output_grad_amax_history"], quantize_compute_type=dtype)
+    return _non_finite_as_nan(y)
+
+
+def _nan_where_not_finite(x: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isfinite(x), x, jnp.asarray(jnp.nan, x.dtype))
+
+
+@jax.custom_vjp
+def _non_finite_as_nan(x: jax.Array) -> jax.Array:
+    """Identity whose value and cotangent have inf/-inf replaced by NaN.
+
+    flax's quantization saturates an inf at the fp8 maximum, which would hide an
+    overflow from the loss scale; a NaN stays NaN through the fp8 cast.
+    """
+    return _nan_where_not_finite(x)
+
+
+_non_finite_as_nan.defvjp(lambda x: (_nan_where_not_finite(x), None),
+                          lambda _, g: (_nan_where_not_finite(g),))
 
 
 def linen_dot_general_cls(recipe: Fp8Recipe) -> Any:
@@ -344,10 +364,16 @@ def _linen_op(length: int) -> type:
                 "step does so for a jamp.fp8.TrainState); or use mode 'fp8_current', which "
                 "keeps no state.") from None
 
+    def call(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        del precision, preferred_element_type  # fp8 has one precision; output: rhs's dtype
+        return delayed_scaling_dot_general(
+            lhs, rhs, dimension_numbers, {n: getattr(self, n).value for n in META_NAMES})
+
     # A subclass (not a partial): flax names the submodule after its class.
     return type("Fp8DirectDotGeneralOp", (fp8_ops.Fp8DirectDotGeneralOp,),
                 {"__annotations__": {"amax_history_length": int},
-                 "amax_history_length": length, "setup": setup, "__module__": __name__})
+                 "amax_history_length": length, "setup": setup, "__call__": call,
+                 "__module__": __name__})
 
 
 class Fp8Meta(nnx.Variable):

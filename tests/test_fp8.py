@@ -188,8 +188,13 @@ def _poisoned(seed):
 
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
 @pytest.mark.parametrize("where", ["input", "gradient"])
-def test_current_scaling_passes_a_non_finite_value_on_as_nan(bad, where):
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fp8_matmul_passes_a_non_finite_value_on_as_nan(bad, where, scaling):
     # Saturating an inf to the fp8 max would hide the overflow from the loss scale.
+    if scaling == "current":
+        dot = fp8.current_scaling_dot_general
+    else:
+        dot = lambda a, b, dims: fp8.delayed_scaling_dot_general(a, b, dims, fp8.init_meta(4))
     x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16)
     g = jnp.ones((2, 4), jnp.bfloat16)
     if where == "input":
@@ -197,7 +202,7 @@ def test_current_scaling_passes_a_non_finite_value_on_as_nan(bad, where):
     else:
         g = g.at[0, 1].set(bad)
     dims = (((1,), (0,)), ((), ()))
-    y, vjp = jax.vjp(lambda a, b: fp8.current_scaling_dot_general(a, b, dims), x, w)
+    y, vjp = jax.vjp(lambda a, b: dot(a, b, dims), x, w)
     dx, dw = vjp(g)
     assert not np.isfinite(np.asarray(dw, np.float32)).all()
     if where == "input":
