@@ -287,9 +287,10 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
     finished = _finished_summary(exp, workdir)
     if finished is not None:
         if is_main:
-            print(f"The run in {workdir} already finished at step {finished['steps']} "
-                  f"(test accuracy {100 * finished['test_accuracy']:.2f}%; "
-                  f"{os.path.join(workdir, 'summary.json')}). Nothing to do: raise "
+            accuracy = finished.get("test_accuracy")
+            print(f"The run in {workdir} already finished at step {finished['steps']} ("
+                  + (f"test accuracy {100 * accuracy:.2f}%; " if accuracy is not None else "")
+                  + f"{os.path.join(workdir, 'summary.json')}). Nothing to do: raise "
                   "--config.max_steps or --config.num_epochs to train further, or use a new "
                   "--workdir.", flush=True)
         return finished

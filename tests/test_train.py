@@ -103,6 +103,7 @@ def test_python_api_short_run_writes_metrics_checkpoint_summary_and_plot(finishe
     tmp_path, config, summary, elapsed = finished_run
     assert summary["steps"] == 12 and summary["devices"] == 8
     assert summary["outcome"] == "completed" and summary["seed"] == 0
+    assert summary["commit"] is None or len(summary["commit"]) >= 40  # to reproduce the run
     assert summary["mode"] == "fp16" and summary["final_loss_scale"] > 0
     assert 0.0 <= summary["test_accuracy"] <= 1.0
     assert summary["memory"]["residual_bytes"] > 0
