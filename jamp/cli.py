@@ -84,13 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     """
     argv = list(sys.argv if argv is None else argv)
     if any(arg in HELP_ARGS for arg in argv[1:]):
-        print(help_text(*_help_config(argv[1:])), flush=True)
-        raise SystemExit(0)
+        _print_help(help_text(*_help_config(argv[1:])))
     _define_flags()
     if any(arg in ("--helpfull", "-helpfull") for arg in argv[1:]):
-        print(help_text(*_help_config(argv[1:])), "\nEvery flag, absl's, grain's, orbax's and "
-              f"tfds's included:\n{flags.FLAGS.get_help()}", sep="\n", flush=True)
-        raise SystemExit(0)
+        _print_help(f"{help_text(*_help_config(argv[1:]))}\n\nEvery flag, absl's, grain's, "
+                    f"orbax's and tfds's included:\n{flags.FLAGS.get_help()}")
     # ml_collections reads the config overrides from sys.argv; a fresh parse per call.
     saved, sys.argv = sys.argv, argv
     try:
@@ -136,6 +134,14 @@ def help_text(config: ConfigDict | None = None, source: str = "configs/vit_fp16.
     lines += ["", "exit status: 0 finished (or had finished before); 2 config, flag, data, "
               "workdir or checkpoint error (nothing written); 3 loss scale diverged."]
     return "\n".join(lines)
+
+
+def _print_help(text: str) -> NoReturn:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # jamp.train --help | head
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(0)
 
 
 def _item(name: str, meaning: str, width: int = 42) -> list[str]:
