@@ -28,6 +28,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen import fp8_ops
 
 from jamp import attention
 from jamp.models.sizes import VIT_SIZES as VARIANTS
@@ -190,7 +191,8 @@ class Encoder(nn.Module):
             return x
         stack = lambda length: nn.scan(
             block_cls,
-            variable_axes={"params": 0},
+            # One fp8 delayed-scaling state per layer (mode "fp8"), stacked like the params.
+            variable_axes={"params": 0, fp8_ops.OVERWRITE_WITH_GRADIENT: 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=nn.broadcast,
             length=length,
