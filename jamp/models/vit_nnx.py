@@ -26,10 +26,10 @@ Example:
   >>> import jax.numpy as jnp, jamp
   >>> from flax import nnx
   >>> from jamp.models import vit_nnx
-  >>> model = vit_nnx.create("ti", num_classes=10, image_size=16, patch_size=4, num_layers=2,
-  ...                        hidden_size=16, num_heads=2, mlp_dim=32, rngs=nnx.Rngs(0))
-  >>> model = jamp.apply_policy(model, "bf16")
-  >>> logits = nnx.jit(lambda m, x: m(x))(model, jnp.zeros((2, 16, 16, 3)))
+  >>> model = nnx.eval_shape(lambda: jamp.apply_policy(vit_nnx.create(  # shapes only here
+  ...     "ti", num_classes=10, image_size=16, patch_size=4, num_layers=2, hidden_size=16,
+  ...     num_heads=2, mlp_dim=32, rngs=nnx.Rngs(0)), "bf16"))
+  >>> logits = nnx.eval_shape(lambda m: m(jnp.zeros((2, 16, 16, 3))), model)
   >>> logits.shape, logits.dtype, model.encoder.layers.mlp.fc1.kernel.shape
   ((2, 10), dtype('float32'), (2, 16, 32))
 """
@@ -349,8 +349,8 @@ def create(variant: str, *, num_classes: int, image_size: int | tuple[int, int],
     Example:
       >>> from flax import nnx
       >>> from jamp.models import vit_nnx
-      >>> model = vit_nnx.create("ti4", num_classes=10, image_size=8, num_layers=1,
-      ...                        rngs=nnx.Rngs(0))
+      >>> model = nnx.eval_shape(lambda: vit_nnx.create(  # shapes only: nothing computed
+      ...     "ti4", num_classes=10, image_size=8, num_layers=1, rngs=nnx.Rngs(0)))
       >>> model.pos_embedding.shape  # 2 x 2 patches and the class token
       (1, 5, 192)
     """
@@ -404,10 +404,10 @@ def from_linen(module: linen_vit.ViT | nn.Module, params: Mapping[str, Any], *,
       >>> from jamp.models import vit, vit_nnx
       >>> module = vit.create("ti", num_classes=3, patch_size=4, num_layers=2, hidden_size=8,
       ...                     num_heads=2, mlp_dim=8)
-      >>> params = module.init(jax.random.key(0), jnp.ones((1, 8, 8, 1)))["params"]
+      >>> params = jax.jit(module.init)(jax.random.key(0), jnp.ones((1, 8, 8, 1)))["params"]
       >>> model = vit_nnx.from_linen(module, params)
-      >>> x = jax.random.normal(jax.random.key(1), (2, 8, 8, 1))
-      >>> np.allclose(model(x), module.apply({"params": params}, x), atol=1e-6)
+      >>> kernel = params["encoder"]["layers"]["MlpBlock_0"]["Dense_0"]["kernel"]
+      >>> np.array_equal(model.encoder.layers.mlp.fc1.kernel.get_value(), kernel.value)
       True
     """
     module = getattr(module, "inner", module)  # a jamp.apply_policy wrapper
@@ -455,8 +455,9 @@ def to_linen(model: ViT) -> dict[str, Any]:
       >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
       >>> from jamp.models import vit_nnx
-      >>> model = vit_nnx.create("ti", num_classes=3, image_size=4, patch_size=2, num_layers=1,
-      ...                        hidden_size=8, num_heads=2, mlp_dim=8, rngs=nnx.Rngs(0))
+      >>> model = nnx.eval_shape(lambda: vit_nnx.create(
+      ...     "ti", num_classes=3, image_size=4, patch_size=2, num_layers=1, hidden_size=8,
+      ...     num_heads=2, mlp_dim=8, rngs=nnx.Rngs(0)))
       >>> sorted(vit_nnx.to_linen(model)["encoder"]["layers"])
       ['LayerNorm_0', 'LayerNorm_1', 'MlpBlock_0', 'SelfAttention_0']
     """
