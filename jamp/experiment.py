@@ -37,7 +37,7 @@ import optax
 from absl import flags
 from flax.training import train_state
 
-from jamp import data, parallel
+from jamp import data, fp8, parallel
 from jamp.config import FIELD_HELP
 from jamp.flax import apply_policy
 from jamp.models import vit
@@ -310,6 +310,12 @@ def build_experiment(config: Config) -> Experiment:
         raise ConfigError(str(e)) from None
     pipeline = pipeline_from_config(config, mesh)
     validate_config(config, mesh, pipeline)
+    if pipeline and mp.fp8 is not None and mp.fp8.scaling == "delayed":
+        raise ConfigError(
+            f"--config.mode={config.mode} keeps a delayed-scaling fp8 state per layer, and the "
+            f"pipeline (--config.mesh.pipe={pipeline.stages}) carries only the parameters "
+            "through its stages: use --config.mode=fp8_current (current scaling keeps no "
+            "state) or --config.mesh.pipe=1.")
     info = data.get_dataset_info(config.dataset, config.data_dir)
     module = vit.create(config.model, num_classes=info.num_classes, patch_size=config.patch_size,
                         dropout_rate=config.dropout_rate, remat=config.remat,
@@ -326,8 +332,13 @@ def build_experiment(config: Config) -> Experiment:
 def _create_state(exp: Experiment, rng: jax.Array) -> train_state.TrainState:
     images = jnp.zeros((1, exp.config.image_size, exp.config.image_size,
                         exp.info.image_shape[-1]), jnp.float32)
-    params = exp.model.init({"params": rng}, images)["params"]
-    return train_state.TrainState.create(apply_fn=exp.model.apply, params=params, tx=exp.tx)
+    variables = exp.model.init({"params": rng}, images)
+    if exp.precision.fp8 is not None and exp.precision.fp8.scaling == "delayed":
+        # The delayed-scaling state rides in the train state, outside the optimizer.
+        return fp8.TrainState.create(apply_fn=exp.model.apply, params=variables["params"],
+                                     tx=exp.tx, fp8=variables.get(fp8.COLLECTION, {}))
+    return train_state.TrainState.create(apply_fn=exp.model.apply,
+                                         params=variables["params"], tx=exp.tx)
 
 
 def state_shardings(exp: Experiment, rng: jax.Array) -> tuple[Any, Any]:

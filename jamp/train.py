@@ -41,7 +41,7 @@ import numpy as np
 from flax.training import train_state
 from tqdm import tqdm
 
-from jamp import data, parallel
+from jamp import data, fp8, parallel
 from jamp.checkpoint import Checkpointer
 from jamp.experiment import (
     Config,
@@ -126,14 +126,19 @@ def step_memory_report(exp: Experiment, state: train_state.TrainState) -> Memory
                                    exp.info.image_shape[-1]), jnp.float32)
     labels = jax.ShapeDtypeStruct((per_device,), jnp.int32)
 
+    fp8_state = getattr(state, "fp8", None) or None  # mode "fp8": delayed-scaling state
+    collections = {} if fp8_state is None else {fp8.COLLECTION: fp8_state}
+
     def loss_fn(params, x, y):
-        logits = exp.model.apply({"params": params}, x, train=True,
+        logits = exp.model.apply({"params": params, **collections}, x, train=True,
                                  rngs={"dropout": jax.random.key(0)})
         return cross_entropy(logits, y)
 
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                       state.params)
-    return memory_report(loss_fn, abstract, images, labels, opt_state=state.opt_state)
+    model_state = None if fp8_state is None else (state.fp8, state.fp8_pending)
+    return memory_report(loss_fn, abstract, images, labels, opt_state=state.opt_state,
+                         model_state=model_state)
 
 
 @dataclasses.dataclass

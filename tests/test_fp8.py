@@ -460,3 +460,23 @@ def test_nnx_step_with_loss_scale_keeps_state_of_skipped_steps():
     step(model, optimizer, jnp.full((2, 4), 3.0))
     hist = model.dot_general.input_amax_history[...]
     assert hist[0] == 3.0 and hist[-1] == 2.0  # the skipped step left no trace
+
+
+def test_trainer_keeps_the_fp8_state_per_layer_and_refuses_it_with_a_pipeline():
+    from jamp import experiment
+    from jamp.config import vit_config
+
+    exp = experiment.build_experiment(vit_config("fp8"))
+    abstract, _ = experiment.state_shardings(exp, jax.random.key(0))
+    assert isinstance(abstract, fp8.TrainState)
+    histories = [leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(abstract.fp8)
+                 if "amax_history" in jax.tree_util.keystr(path)]
+    layers = experiment.model_dims(exp.config)["num_layers"]
+    assert histories and all(shape == (layers, 1024) for shape in histories), histories
+    assert not isinstance(experiment.state_shardings(
+        experiment.build_experiment(vit_config("fp8_current")), jax.random.key(0))[0],
+        fp8.TrainState)
+    config = vit_config("fp8")
+    config.mesh.pipe = 2
+    with pytest.raises(experiment.ConfigError, match="fp8_current.*or --config.mesh.pipe=1"):
+        experiment.build_experiment(config)
