@@ -34,7 +34,7 @@ _LARGE = dict(image_size=224, patch_size=16)
 
 FIELD_HELP: dict[str, str] = {
     "mode": "precision mode: fp32, fp16, bf16, fp16_naive, fp16_pure (unsafe), bf16_pure, "
-            "or an alias (O1, 16-mixed, bf16-mixed, ...)",
+            "fp8 (delayed scaling), fp8_current, or an alias (O1, 16-mixed, bf16-mixed, ...)",
     "seed": "seed of the parameter init, dropout and data order (0 <= seed < 2**32)",
     "dataset": "TFDS dataset name; 'digits' is the embedded offline dataset",
     "data_dir": "where TFDS datasets are prepared (None: $TFDS_DATA_DIR or "
@@ -42,6 +42,7 @@ FIELD_HELP: dict[str, str] = {
     "image_size": "input images are resized/cropped to this many pixels a side",
     "worker_count": "grain worker processes for the train loader (0: load in this process)",
     "augment": "random crop (+ flip where it keeps the label) on the train split",
+    "framework": "the ViT's Flax API: 'linen' or 'nnx' (same initial weights, same numbers)",
     "model": "ViT size: ti, s, b or l (the :arg's model, e.g. s16 -> s with patch 16)",
     "patch_size": "patch side in pixels (must divide image_size)",
     "num_layers": "encoder blocks (None: the size's default)",
@@ -131,6 +132,7 @@ def vit_config(mode: str, arg: str | None = None) -> ml_collections.ConfigDict:
     c.augment = True  # random crop (+ flip where it keeps the label)
 
     # Model.
+    c.framework = "linen"  # or "nnx": jamp.models.vit_nnx, from the linen ViT's weights
     c.model = size or "ti"
     c.patch_size = patch or defaults["patch_size"]
     c.num_layers = config_dict.placeholder(int)

@@ -35,12 +35,13 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 from absl import flags
+from flax import nnx
 from flax.training import train_state
 
 from jamp import data, fp8, parallel
 from jamp.config import FIELD_HELP
 from jamp.flax import apply_policy
-from jamp.models import vit
+from jamp.models import vit, vit_nnx
 from jamp.models.sizes import vit_dims
 from jamp.parallel.pipeline import GPipe
 from jamp.policy import MixedPrecision, mixed_precision
@@ -59,6 +60,9 @@ class Experiment:
 
     ``pipeline`` is the layer runner the model was given (None: the mesh has no
     'pipe' stages); the trainer's gradient function makes 'pipe' manual with it.
+    ``apply_fn`` is what the train state runs: ``model.apply`` (linen), or the NNX
+    ViT as a function of its parameters (``config.framework='nnx'``), built once so
+    every state of the run has the same static ``apply_fn``.
     """
 
     config: Config
@@ -70,6 +74,7 @@ class Experiment:
     tx: optax.GradientTransformation
     steps_per_epoch: int
     total_steps: int
+    apply_fn: Callable[..., Any]
 
 
 def precision_from_config(config: Config) -> MixedPrecision:
@@ -238,6 +243,8 @@ def check_values(config: Config) -> None:
                 f"e.g. --config.{key}={example} ({FIELD_HELP[key]}).")
     if config.optimizer not in ("adamw", "sgd"):
         raise ConfigError(f"--config.optimizer={config.optimizer!r}: use 'adamw' or 'sgd'.")
+    if config.get("framework", "linen") not in ("linen", "nnx"):
+        raise ConfigError(f"--config.framework={config.framework!r}: use 'linen' or 'nnx'.")
 
 
 def _check_batch(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None) -> None:
@@ -310,6 +317,13 @@ def build_experiment(config: Config) -> Experiment:
         raise ConfigError(str(e)) from None
     pipeline = pipeline_from_config(config, mesh)
     validate_config(config, mesh, pipeline)
+    if (config.get("framework") == "nnx" and mp.fp8 is not None
+            and mp.fp8.scaling == "delayed"):
+        raise ConfigError(
+            f"--config.mode={config.mode} with --config.framework=nnx: the trainer runs the NNX "
+            "ViT as a function of its parameters, and delayed scaling keeps an fp8 state "
+            "beside them (jamp.fp8.DelayedScalingDot; see jamp.fp8.nnx_commit for an NNX "
+            "loop of your own). Use --config.mode=fp8_current or --config.framework=linen.")
     if pipeline and mp.fp8 is not None and mp.fp8.scaling == "delayed":
         raise ConfigError(
             f"--config.mode={config.mode} keeps a delayed-scaling fp8 state per layer, and the "
@@ -325,14 +339,37 @@ def build_experiment(config: Config) -> Experiment:
     total_steps = steps_per_epoch * config.num_epochs
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
-    return Experiment(config, mp, mesh, info, apply_policy(module, mp), pipeline,
-                      build_optimizer(config, total_steps, mp), steps_per_epoch, total_steps)
+    model = apply_policy(module, mp)
+    apply_fn = model.apply
+    if config.framework == "nnx":
+        abstract = nnx.eval_shape(lambda: apply_policy(vit_nnx.ViT(
+            **_fields(module), image_size=config.image_size, channels=info.image_shape[-1],
+            rngs=nnx.Rngs(0)), mp))
+        apply_fn, _ = vit_nnx.functional(abstract)
+    return Experiment(config, mp, mesh, info, model, pipeline,
+                      build_optimizer(config, total_steps, mp), steps_per_epoch, total_steps,
+                      apply_fn)
+
+
+def _fields(module: nn.Module) -> dict[str, Any]:
+    """A linen module's dataclass fields (the NNX ViT takes the linen ViT's)."""
+    return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+            if f.name not in ("parent", "name")}
 
 
 def _create_state(exp: Experiment, rng: jax.Array) -> train_state.TrainState:
     images = jnp.zeros((1, exp.config.image_size, exp.config.image_size,
                         exp.info.image_shape[-1]), jnp.float32)
     variables = exp.model.init({"params": rng}, images)
+    if exp.config.get("framework") == "nnx":
+        # The NNX ViT gets the linen ViT's initial weights: the same seed trains the
+        # same numbers in both APIs. Its policy is applied in place, then it runs as a
+        # function of its (logically annotated) parameters like linen's apply.
+        with nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):  # NNX reads them at build
+            model = vit_nnx.from_linen(exp.model, variables["params"],
+                                       image_size=exp.config.image_size)
+        _, params = vit_nnx.functional(apply_policy(model, exp.precision), boxed=True)
+        return train_state.TrainState.create(apply_fn=exp.apply_fn, params=params, tx=exp.tx)
     if exp.precision.fp8 is not None and exp.precision.fp8.scaling == "delayed":
         # The delayed-scaling state rides in the train state, outside the optimizer.
         return fp8.TrainState.create(apply_fn=exp.model.apply, params=variables["params"],

@@ -130,7 +130,7 @@ def step_memory_report(exp: Experiment, state: train_state.TrainState) -> Memory
     collections = {} if fp8_state is None else {fp8.COLLECTION: fp8_state}
 
     def loss_fn(params, x, y):
-        logits = exp.model.apply({"params": params, **collections}, x, train=True,
+        logits = state.apply_fn({"params": params, **collections}, x, train=True,
                                  rngs={"dropout": jax.random.key(0)})
         return cross_entropy(logits, y)
 
@@ -183,7 +183,7 @@ class _Throughput:
 def _run_meta(exp: Experiment) -> dict[str, Any]:
     c = exp.config
     return {"mode": exp.precision.name, "dataset": c.dataset, "model": c.model,
-            "patch_size": c.patch_size, "image_size": c.image_size,
+            "framework": c.framework, "patch_size": c.patch_size, "image_size": c.image_size,
             "batch_size": c.batch_size, "seed": c.seed, "optimizer": c.optimizer,
             **model_dims(c)}
 
@@ -474,6 +474,7 @@ def _summary(run: _Run, state: train_state.TrainState, last_eval: dict[str, floa
         "mode": exp.precision.name,
         "dataset": c.dataset,
         "model": f"ViT-{c.model}/{c.patch_size}",
+        "framework": c.framework,
         "steps": done,
         "start_step": run.start,
         "test_accuracy": float(last_eval["eval/accuracy"]) if last_eval else None,

@@ -379,3 +379,29 @@ def test_clear_errors(linen_module, linen_params):
         vit_nnx.from_linen(nn.Dense(2), linen_params)
     with pytest.raises(ValueError, match=r"only state is nnx.Param.*BatchStat"):
         vit_nnx.functional(nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
+
+
+def test_trainer_switch_builds_the_nnx_state_from_the_linen_weights():
+    from jamp import experiment
+    from jamp.config import vit_config
+
+    config = vit_config("fp16")
+    config.framework = "nnx"
+    exp = experiment.build_experiment(config)
+    abstract, shardings = experiment.state_shardings(exp, jax.random.key(0))
+    assert abstract.apply_fn is exp.apply_fn  # one static apply_fn for every state of the run
+    assert "fc1" in abstract.params["encoder"]["layers"]["mlp"]
+    linen = experiment.build_experiment(vit_config("fp16"))
+    state = experiment.init_state(exp, jax.random.key(0), shardings)
+    linen_state = experiment.init_state(linen, jax.random.key(0), experiment.state_shardings(
+        linen, jax.random.key(0))[1])
+    assert jax.tree.leaves(vit_nnx.to_linen(vit_nnx.from_linen(
+        linen.model, linen_state.params))) == jax.tree.leaves(linen_state.params)
+    nnx_kernel = state.params["encoder"]["layers"]["mlp"]["fc1"]["kernel"]
+    linen_kernel = linen_state.params["encoder"]["layers"]["MlpBlock_0"]["Dense_0"]["kernel"]
+    np.testing.assert_array_equal(nnx_kernel, linen_kernel)
+    for bad in ("flax", "fp8"):
+        config = vit_config("fp8" if bad == "fp8" else "fp16")
+        config.framework = "nnx" if bad == "fp8" else bad
+        with pytest.raises(experiment.ConfigError, match="framework"):
+            experiment.build_experiment(config)
