@@ -9,7 +9,7 @@ them for the README.
 
 Usage::
 
-  python -m benchmarks.accuracy                          # 5 modes, ~1 min each on a CPU
+  python -m benchmarks.accuracy                          # 7 modes x linen/NNX, ~1 min each
   python -m benchmarks.accuracy --modes fp16 --set max_steps=2 --set num_layers=1 \\
       --out-dir /tmp/acc                                 # smoke run
 """
@@ -26,13 +26,14 @@ from typing import Any
 import jamp
 from benchmarks import common
 from jamp.config import vit_config
+from jamp.experiment import ConfigError
 from jamp.loss_scale import LossScaleDivergedError
 from jamp.metrics import read_metrics
 from jamp.models import sizes
 from jamp.train import train_and_evaluate
 
-DEFAULT_MODES = [m for m in jamp.MODES if m != "bf16_pure"]
-"""The modes compared by default: ``jamp.MODES`` but the pure-bf16 one."""
+DEFAULT_MODES = [m for m in jamp.MODES if m != "bf16_pure"] + list(jamp.FP8_MODES)
+"""The modes compared by default: ``jamp.MODES`` but the pure-bf16 one, and the fp8 modes."""
 
 
 def override(text: str) -> tuple[str, Any]:
@@ -49,18 +50,27 @@ def override(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def run_mode(mode: str, overrides: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """Trains one mode in ``workdir``; returns the row for the table."""
+def run_mode(mode: str, overrides: dict[str, Any], workdir: Path,
+             framework: str = "linen") -> dict[str, Any] | None:
+    """Trains one mode in ``workdir``; returns the row for the table.
+
+    None for a mode the framework's trainer refuses (delayed fp8 with NNX).
+    """
     config = vit_config(mode)
     config.progress = False
+    config.framework = framework
     config.update_from_flattened_dict(overrides)
     t0 = time.perf_counter()
     try:
         summary = train_and_evaluate(config, str(workdir))
+    except ConfigError as e:
+        print(f"accuracy: {mode} with {framework} skipped: {str(e).split(':')[0]}", flush=True)
+        return None
     except LossScaleDivergedError as e:
         # A result, not a failure of the benchmark: record how far the mode got.
-        return diverged_row(mode, workdir, str(e), time.perf_counter() - t0)
-    return dict(mode=summary["mode"], status="ok", model=summary["model"],
+        return dict(diverged_row(mode, workdir, str(e), time.perf_counter() - t0),
+                    framework=framework)
+    return dict(mode=summary["mode"], framework=framework, status="ok", model=summary["model"],
                 test_accuracy=summary["test_accuracy"], test_loss=summary["test_loss"],
                 images_per_sec=summary["images_per_sec"], steps=summary["steps"],
                 steps_skipped=summary["steps_skipped"],
@@ -100,14 +110,16 @@ def to_markdown(result: dict[str, Any]) -> str:
         "machine (images/s are noisy and, on CPU, not a measure of half precision)",
         f"- plot: `{result['plot']}` (mode {result['plot_mode']})" if result["plot"] else "",
         "",
-        "| mode | test accuracy | Δ vs fp32 | images/s | steps | steps skipped | final loss scale "
-        "| wall s | outcome |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | framework | test accuracy | Δ vs fp32 | Δ NNX vs linen | images/s | steps "
+        "| steps skipped | final loss scale | wall s | outcome |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["results"]:
         accuracy, delta = common.accuracy_cells(r, result["results"])
         lines.append(
-            f"| {r['mode']} | {accuracy} | {delta} | {common.fmt(r['images_per_sec'], ',.0f')} "
+            f"| {r['mode']} | {r.get('framework', 'linen')} | {accuracy} | {delta} "
+            f"| {common.nnx_vs_linen(r, result['results'])} "
+            f"| {common.fmt(r['images_per_sec'], ',.0f')} "
             f"| {r['steps']} | {r['steps_skipped']} | {r['final_loss_scale']:g} "
             f"| {r['wall_s']:.0f} | {r['status']} |")
     diverged = [r for r in result["results"] if r["status"] != "ok"]
@@ -122,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs every mode; writes the .md/.json (and the plot) to ``--out-dir``."""
     ap = common.parser(__doc__)
     ap.add_argument("--modes", type=common.modes, default=DEFAULT_MODES)
+    ap.add_argument("--frameworks", type=common.split, default=["linen", "nnx"],
+                    help="the ViT's Flax API(s) to train: linen, nnx or both (default)")
     ap.add_argument("--set", type=override, action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. max_steps=2 or mesh.data=1 (repeatable)")
     ap.add_argument("--plot-mode", default="fp16", help="whose training.png to keep")
@@ -133,19 +147,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="jamp-accuracy-") as tmp:
         root = Path(args.workdir or tmp)
-        for mode in args.modes:
-            workdir = root / mode
+        for framework, mode in ((f, m) for f in args.frameworks for m in args.modes):
+            workdir = root / framework / mode
             if workdir.exists():
                 shutil.rmtree(workdir)  # a fresh run, never a resumed one
-            row = run_mode(mode, overrides, workdir)
+            row = run_mode(mode, overrides, workdir, framework)
+            if row is None:
+                continue
             rows.append(row)
-            print(f"accuracy: {mode:<11} {common.accuracy_cells(row, rows)[0]}  "
+            print(f"accuracy: {mode:<11} {framework:<5} {common.accuracy_cells(row, rows)[0]}  "
                   f"{common.fmt(row['images_per_sec'], ',.0f')} img/s  steps {row['steps']} "
                   f"(skipped {row['steps_skipped']})  {row['wall_s']:.0f} s  {row['status']}",
                   flush=True)
         plot = None
         source = next((r["plot"] for r in rows if r["mode"] == args.plot_mode and r["plot"]),
-                      None)
+                      None)  # the first framework's run
         if source and not args.no_write:
             plot = Path(f"{stem}-{args.plot_mode}-training.png")
             plot.parent.mkdir(parents=True, exist_ok=True)

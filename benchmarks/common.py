@@ -251,18 +251,36 @@ def gib(nbytes: int | None) -> str:
 
 
 def accuracy_cells(row: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, str]:
-    """Test accuracy and its difference from the fp32 run, as table cells.
+    """Test accuracy and its difference from the fp32 run of the same framework, as cells.
 
     Example:
       >>> accuracy_cells({"test_accuracy": 0.95}, [{"mode": "fp32", "test_accuracy": 0.96}])
       ('95.00%', '-1.00 pt')
     """
-    base = next((r["test_accuracy"] for r in rows if r["mode"] == "fp32"), None)
+    framework = row.get("framework", "linen")
+    base = next((r["test_accuracy"] for r in rows if r["mode"] == "fp32"
+                 and r.get("framework", "linen") == framework), None)
     acc = row["test_accuracy"]
     if acc is None:
         return "n/a", "—"
     delta = "—" if base is None else f"{100 * (acc - base):+.2f} pt"
     return f"{100 * acc:.2f}%", delta
+
+
+def nnx_vs_linen(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """An NNX row's accuracy minus the linen row's of the same mode, as a table cell.
+
+    Example:
+      >>> rows = [{"mode": "fp16", "framework": "linen", "test_accuracy": 0.98},
+      ...         {"mode": "fp16", "framework": "nnx", "test_accuracy": 0.975}]
+      >>> nnx_vs_linen(rows[1], rows), nnx_vs_linen(rows[0], rows)
+      ('-0.50 pt', '—')
+    """
+    if row.get("framework", "linen") != "nnx" or row["test_accuracy"] is None:
+        return "—"
+    linen = next((r["test_accuracy"] for r in rows if r["mode"] == row["mode"]
+                  and r.get("framework", "linen") == "linen"), None)
+    return "—" if linen is None else f"{100 * (row['test_accuracy'] - linen):+.2f} pt"
 
 
 def split(text: str) -> list[str]:

@@ -91,7 +91,8 @@ def test_layers_heads_and_mlp_must_split():
     assert "num_heads=4 cannot be split over the 8 devices" in _error(mesh=dict(data=1,
                                                                              model=8))
     assert "scan_layers=True" in _error(scan_layers=False, mesh=dict(pipe=2))
-    assert "pipeline_microbatches must be >= 1" in _error(pipeline_microbatches=0, mesh=dict(pipe=2))
+    assert "pipeline_microbatches must be >= 1" in _error(pipeline_microbatches=0,
+                                                          mesh=dict(pipe=2))
 
 
 @pytest.mark.parametrize("parsed", [False, True])
