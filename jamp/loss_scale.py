@@ -285,7 +285,7 @@ def _count_overflow(state: LossScaleState, finite: jax.Array, min_scale: float,
 
 
 def _apply_or_skip(inner_tx, finite, updates, inv_scale, inner_state, params, extra_args):
-    """``inner_tx.update`` on the unscaled gradients if ``finite``, else zeros and the same state.
+    """``inner_tx.update`` on the unscaled gradients if ``finite``, else -0.0s and the same state.
 
     ``lax.cond`` makes the skip exact and free of optimizer arithmetic (choosing
     with ``where`` would keep the old state alive next to the new one and copy
@@ -302,7 +302,8 @@ def _apply_or_skip(inner_tx, finite, updates, inv_scale, inner_state, params, ex
         # apply() is traced here only for the output types (zeros_like keeps shard_map's
         # varying axes; master weights may change the update dtype); XLA drops it as dead.
         updates_like, _ = apply()
-        return optax.tree_utils.tree_zeros_like(updates_like), inner_state
+        # -0.0, not 0.0: p + -0.0 is p bit for bit, a -0.0 parameter included.
+        return optax.tree_utils.tree_full_like(updates_like, -0.0), inner_state
 
     return jax.lax.cond(finite, apply, skip)
 

@@ -225,6 +225,19 @@ def test_exact_skip_leaves_adam_bit_identical():
     assert float(new_state.scale) == 2.0**7
 
 
+@pytest.mark.parametrize("mode", ["fp16", "fp16_naive"])
+def test_skip_keeps_negative_zero_parameters_bit_identical(mode):
+    # A skip adds -0.0 (p + 0.0 would turn a -0.0 parameter into +0.0).
+    import jamp
+
+    dtype = jnp.float16 if mode == "fp16_naive" else jnp.float32
+    params = {"b": jnp.asarray([-0.0, 0.0, -1.5, 2.0], dtype)}
+    tx = jamp.make_optimizer(mode, optax.adam(1e-2))
+    updates, _ = jax.jit(tx.update)({"b": jnp.asarray([jnp.inf, 1, 1, 1], dtype)},
+                                    tx.init(params), params)
+    assert bits(optax.apply_updates(params, updates)) == bits(params)
+
+
 def test_inner_clipping_sees_unscaled_gradients():
     tx = DynamicLossScale(
         optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)), init_scale=2.0**10
