@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
 
 from jamp import attention, fp8
 from jamp.autocast import Rules, rewrite
@@ -74,6 +75,27 @@ M = TypeVar("M", bound=nnx.Module)
 
 NORMS: tuple[type, ...] = (nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.RMSNorm)
 """Flax's NNX norms: statistics and normalisation always run in at least float32."""
+
+
+def norm_in_float32(args: tuple, *, dtype: Any = None, inexact: bool = True) -> tuple:
+    """A norm's ``promote_dtype``: the input widened to float32, scale and bias as stored.
+
+    Flax NNX's norms cast input, scale and bias to the layer's ``dtype``, which a
+    policy sets to the output dtype (half): the affine would run on half copies of
+    the float32 scale and bias, and the backward pass would round the input's two
+    gradient paths (statistics, normalisation) to half before adding them. With this
+    the norm runs in float32 as linen's norms do under jamp; only the result is
+    rounded. ``apply_policy`` installs it on every NNX norm that has Flax's default.
+
+    Example:
+      >>> import jax.numpy as jnp, jamp
+      >>> x, scale = jnp.ones(2, jnp.float16), jnp.ones(2, jnp.float32)
+      >>> [a.dtype for a in jamp.nnx.norm_in_float32((x, scale), dtype=jnp.float16)]
+      [dtype('float32'), dtype('float32')]
+    """
+    del dtype, inexact
+    x, *rest = args
+    return (x.astype(jnp.promote_types(x.dtype, jnp.float32)), *rest)
 
 
 def _floating(x: Any) -> bool:
@@ -166,6 +188,8 @@ def _configure(module: nnx.Module, mp: MixedPrecision) -> None:
         if "dtype" in vars(node):
             # Flax's norms compute in >= float32 whatever their dtype, which is the output's.
             node.dtype = policy.output_dtype if isinstance(node, NORMS) else policy.compute_dtype
+        if isinstance(node, NORMS) and node.promote_dtype is nnx_dtypes.promote_dtype:
+            node.promote_dtype = norm_in_float32
         if "param_dtype" in vars(node):
             node.param_dtype = policy.param_dtype
         if mp.fp8 is not None and policy is mp.policy:  # fp8 matmuls where no override applies

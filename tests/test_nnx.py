@@ -282,3 +282,25 @@ def test_checkpoint_resume_is_exact_mid_growth_interval(tmp_path):
     nnx.update((model, optimizer), restored)
     assert first + _run(model, optimizer, range(3, 6)) == straight
     assert straight[3][1] == 2 * straight[2][1] and straight[4][1] == straight[3][1] / 2
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_nnx_norms_run_in_float32_like_linen_norms(mode):
+    # Flax's own promote_dtype would run the affine on half copies of the float32 scale
+    # and bias and round the input gradient's two paths to half before adding them.
+    import flax.linen as nn
+
+    rng = np.random.default_rng(0)
+    # As inside a model: the residual stream arrives in the compute dtype.
+    x = jnp.asarray(rng.normal(size=(4, 8)) * 3, jamp.mixed_precision(mode).policy.compute_dtype)
+    scale, bias = (jnp.asarray(rng.normal(size=8), jnp.float32) for _ in range(2))
+    norm = jamp.apply_policy(nnx.LayerNorm(8, rngs=nnx.Rngs(0)), mode)
+    norm.scale.set_value(scale)
+    norm.bias.set_value(bias)
+    linen = jamp.apply_policy(nn.LayerNorm(), mode)
+    variables = {"params": {"scale": scale, "bias": bias}}
+    g = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+    out_nnx, vjp_nnx = jax.vjp(lambda x: norm(x).astype(jnp.float32), x)
+    out_linen, vjp_linen = jax.vjp(lambda x: linen.apply(variables, x).astype(jnp.float32), x)
+    np.testing.assert_array_equal(out_nnx, out_linen)
+    np.testing.assert_array_equal(vjp_nnx(g)[0], vjp_linen(g)[0])

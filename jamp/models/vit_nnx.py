@@ -50,6 +50,7 @@ from jamp.models import vit as linen_vit
 from jamp.models.sizes import VIT_SIZES as VARIANTS
 from jamp.models.sizes import parse_variant
 from jamp.models.vit import LayerRunner
+from jamp.nnx import norm_in_float32
 
 LINEN_NAMES: dict[str, str] = {"norm1": "LayerNorm_0", "attention": "SelfAttention_0",
                                "norm2": "LayerNorm_1", "mlp": "MlpBlock_0",
@@ -140,24 +141,8 @@ class SelfAttention(nnx.Module):
         return jnp.einsum("bshd,hde->bse", y, weights[-2]) + weights[-1]
 
 
-def _norm_in_float32(args: tuple, *, dtype: Any = None, inexact: bool = True) -> tuple:
-    """The norms' ``promote_dtype``: input in (at least) float32, scale and bias as stored.
-
-    Flax NNX's norms cast input, scale and bias to the layer's ``dtype``, which a
-    jamp policy sets to the compute dtype (so that the norm returns it): the affine
-    would run on half-precision copies of the float32 scale and bias, and the
-    backward pass would round each of the input's two gradient paths (statistics,
-    normalisation) to half before adding them. Like linen's norms under jamp's
-    policy, these norms widen the input once and run in float32; only the result
-    is rounded to ``dtype``.
-    """
-    del dtype, inexact
-    x, *params = args
-    return (x.astype(jnp.promote_types(x.dtype, jnp.float32)), *params)
-
-
 def _layer_norm(hidden_size: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    return nnx.LayerNorm(hidden_size, rngs=rngs, promote_dtype=_norm_in_float32,
+    return nnx.LayerNorm(hidden_size, rngs=rngs, promote_dtype=norm_in_float32,
                          scale_init=_partitioned(nn.initializers.ones, ("embed",)),
                          bias_init=_partitioned(nn.initializers.zeros, ("embed",)))
 
