@@ -32,8 +32,9 @@
 
 # %%
 # ruff: noqa: E402
-# Colab only: install jamp from GitHub, with the JAX build for this runtime's accelerator.
-# Elsewhere (a local Jupyter, CI) jamp is expected to be installed already: pip install -e .
+# Colab only: install jamp (an uploaded wheel or checkout, or the repository), with the JAX
+# build for this runtime's accelerator. Elsewhere (a local Jupyter, CI) jamp is expected to
+# be installed already: pip install -e . in a checkout.
 import glob
 import os
 import subprocess
@@ -50,7 +51,20 @@ if "google.colab" in sys.modules:
         jax_pkg = "jax[tpu]"
     else:
         jax_pkg = "jax"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"jamp @ git+{JAMP_REPO}",
+    # jamp's distribution is jamp-jax (`pip install jamp` gets an unrelated project).
+    # A wheel or checkout uploaded to /content wins; else JAMP_REPO if it can be reached.
+    local = sorted(glob.glob("/content/jamp_jax-*.whl")) + [
+        d for d in ("/content/jamp",) if os.path.exists(f"{d}/pyproject.toml")]
+    reachable = not local and subprocess.run(
+        ["git", "ls-remote", "--exit-code", JAMP_REPO, "HEAD"], capture_output=True,
+        timeout=60, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"}).returncode == 0
+    if not (local or reachable):
+        raise RuntimeError(
+            f"{JAMP_REPO} cannot be reached and /content holds no jamp_jax-*.whl wheel or "
+            "jamp/ checkout: upload one (`pip wheel --no-deps -w dist .` in a checkout builds "
+            "the wheel) or set JAMP_REPO to a reachable fork, then run this cell again.")
+    source = local[0] if local else f"jamp-jax @ git+{JAMP_REPO}"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", source,
                     f"{jax_pkg}>=0.7,<0.12"], check=True)
     # If pip replaced a package this session had already imported, use
     # Runtime > Restart session once and run the notebook again.
