@@ -75,7 +75,8 @@ def run_mode(mode: str, overrides: dict[str, Any], workdir: Path,
                 images_per_sec=summary["images_per_sec"], steps=summary["steps"],
                 steps_skipped=summary["steps_skipped"],
                 final_loss_scale=summary["final_loss_scale"],
-                wall_s=time.perf_counter() - t0, plot=summary.get("plot"))
+                wall_s=time.perf_counter() - t0, plot=summary.get("plot"),
+                seed=summary.get("seed"), commit=summary.get("commit"))
 
 
 def diverged_row(mode: str, workdir: Path, message: str, wall_s: float) -> dict[str, Any]:
@@ -96,12 +97,22 @@ def diverged_row(mode: str, workdir: Path, message: str, wall_s: float) -> dict[
                 wall_s=wall_s, plot=None)
 
 
+def _commits(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(sorted({str(r.get("commit")) for r in rows})) or "unknown"
+
+
+def _seeds(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(sorted({str(r.get("seed")) for r in rows})) or "unknown"
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     """The results file: how it was run, then one row per mode."""
     c = result["config"]
     lines = [
         "# Accuracy parity across precision modes (embedded digits)", "",
         f"- command: `{result['command']}`",
+        f"- reproduce a row exactly: the same command at commit "
+        f"`{_commits(result['results'])}` (seed {_seeds(result['results'])})",
         f"- date: {result['date']}; device: {result['device']} ({result['machine']['cpus']} "
         f"CPUs, {result['machine']['processor']}); jax {result['jax']}",
         f"- recipe: `jamp.config.vit_config(mode)` ({c['model']}, {c['layers']}, batch "

@@ -154,7 +154,10 @@ def test_accuracy_one_step(tmp_path):
     assert (row["mode"], row["framework"], row["steps"]) == ("fp8", "linen", 1)
     assert 0.0 <= row["test_accuracy"] <= 1.0
     stem = f"accuracy-cpu-{common.today()}"
-    assert "| fp8 | linen |" in (tmp_path / f"{stem}.md").read_text()
+    text = (tmp_path / f"{stem}.md").read_text()
+    assert "| fp8 | linen |" in text
+    # Each row can be reproduced exactly: the command, the commit and the seed are recorded.
+    assert row["seed"] == 0 and row["commit"] and f"`{row['commit']}` (seed 0)" in text
     assert (tmp_path / f"{stem}-fp8-training.png").exists()
 
 
