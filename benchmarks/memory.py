@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     common.add_vit(ap, variant=None)
     ap.add_argument("--models", type=common.split, default=["s16", "b16"],
                     help="comma-separated ViT variants")
-    ap.add_argument("--modes", type=common.modes, default=list(jamp.MODES))
+    ap.add_argument("--modes", type=common.modes,
+                    default=list(jamp.MODES) + list(jamp.FP8_MODES))
     ap.add_argument("--remat", type=common.split, default=["b16"],
                     help="models also counted with remat (comma-separated; '' for none)")
     args = ap.parse_args(argv)

@@ -67,8 +67,13 @@ def build_model(mode: str | jamp.MixedPrecision, args: argparse.Namespace) -> nn
                                         **layers), mode)
 
 
-def loss_fn(model: nn.Module) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+def loss_fn(model: nn.Module,
+            collections: dict[str, Any] | None = None) -> Callable[[Any, jax.Array, jax.Array],
+                                                                  jax.Array]:
     """``loss(params, images, labels)``: the float32 cross-entropy of a train-mode forward pass.
+
+    ``collections``: other variables the forward pass reads (mode "fp8": the
+    delayed-scaling state).
 
     Example:
       >>> model = build_model("fp32", parse_args(["--variant", "ti4", "--num-layers", "1",
@@ -80,7 +85,8 @@ def loss_fn(model: nn.Module) -> Callable[[Any, jax.Array, jax.Array], jax.Array
     """
 
     def loss(params: Any, images: jax.Array, labels: jax.Array) -> jax.Array:
-        return cross_entropy(model.apply({"params": params}, images, train=True), labels)
+        return cross_entropy(model.apply({"params": params, **(collections or {})}, images,
+                                         train=True), labels)
 
     return loss
 
@@ -93,8 +99,12 @@ def model_and_init(mode: str, args: argparse.Namespace) -> tuple[nn.Module, Call
     image = jnp.zeros((1, args.image_size, args.image_size, 3), jnp.float32)
 
     def create(rng):
-        params = nn.unbox(model.init(rng, image))["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+        variables = nn.unbox(model.init(rng, image))
+        if mp.fp8 is not None and mp.fp8.scaling == "delayed":  # state beside the params
+            return jamp.fp8.TrainState.create(apply_fn=model.apply, params=variables["params"],
+                                              tx=tx, fp8=variables[jamp.fp8.COLLECTION])
+        return train_state.TrainState.create(apply_fn=model.apply, params=variables["params"],
+                                             tx=tx)
 
     return model, create
 
@@ -152,8 +162,12 @@ def jax_memory(model: nn.Module, state: train_state.TrainState,
     labels = jax.ShapeDtypeStruct((args.batch,), jnp.int32)
     abstract = lambda t: jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
-    return jamp.memory_report(loss_fn(model), abstract(state.params), images, labels,
-                              opt_state=abstract(state.opt_state))
+    fp8_state = getattr(state, "fp8", None) or None
+    collections = None if fp8_state is None else {jamp.fp8.COLLECTION: fp8_state}
+    model_state = None if fp8_state is None else abstract((state.fp8, state.fp8_pending))
+    return jamp.memory_report(loss_fn(model, collections), abstract(state.params), images,
+                              labels, opt_state=abstract(state.opt_state),
+                              model_state=model_state)
 
 
 def memory_limit(device: jax.Device, args: argparse.Namespace) -> int | None:

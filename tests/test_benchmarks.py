@@ -107,10 +107,13 @@ def test_memory_every_mode(tmp_path):
     from benchmarks import memory
 
     result = memory.main(["--models", "ti4", "--image-size", "16", "--batch", "2",
-                          "--num-layers", "1", "--modes", "fp32,bf16,O2", "--remat", "",
+                          "--num-layers", "1", "--modes", "fp32,bf16,O2,fp8", "--remat", "",
                           "--out-dir", str(tmp_path)])
     rows = {r["mode"]: r for r in result["results"]}
-    assert set(rows) == {"fp32", "bf16", "fp16_naive"}
+    assert set(rows) == {"fp32", "bf16", "fp16_naive", "fp8"}
+    # Delayed fp8 keeps 6 float32 entries per Dense (two histories of 1024) beside the params.
+    assert rows["fp8"]["model_state_bytes"] >= 2 * 2 * 2 * 1024 * 4
+    assert rows["fp8"]["total_bytes"] > rows["bf16"]["total_bytes"]
     assert rows["fp32"]["residual_ratio"] == 1.0
     assert rows["bf16"]["residual_ratio"] < 0.75
     # Half-precision params, norms kept in float32; fp32 master copies in the optimizer.
