@@ -8,6 +8,23 @@ recursing into ``jit``, ``scan``, ``while_loop``, ``cond`` and ``checkpoint``:
 
 - ``dot_general`` and ``conv_general_dilated`` (matmul, einsum, convolutions)
   take and return the compute dtype, whatever their operands' dtype;
+- in ``fp8_current`` (any recipe whose ``fp8.scaling`` is ``"current"``), every
+  *projection*, a ``dot_general`` without batch dimensions (``nn.Dense``,
+  ``x @ w``, ``einsum("bld,dh->blh", x, w)``), runs as
+  :func:`jamp.fp8.current_scaling_dot_general` on compute-dtype operands (E4M3
+  forward, E5M2 gradient backward, each tensor scaled by its own amax) and
+  returns the compute dtype; ``dot_general`` with batch dimensions (attention's
+  ``bhqd,bhkd->bhqk`` scores and value matmul, batched matmuls) and
+  convolutions stay in the compute dtype, as in the linen/NNX fp8 modes.
+  autocast sees ops, not layers, so the rule is structural and the classifier
+  is fp8 too: the linen/NNX modes keep a layer named ``head`` in bf16
+  (``Fp8Recipe.keep_bf16``), autocast has no names, so that default does not
+  apply here and other names are refused. A 2-D attention written per example
+  (``q @ k.T``) has no batch axes and counts as a projection; under an outer
+  ``jax.vmap`` each mapped slice gets its own scales;
+- delayed scaling (``fp8``, ``fp8_delayed``) is refused: its amax histories are
+  state between steps and autocast, a function transform, has nowhere to keep
+  them (use ``fp8_current``, or ``jamp.apply_policy`` on a linen/NNX model);
 - in modes whose softmax runs in float32 (``fp16``, ``bf16``, ``fp16_naive``):
   softmax and log-softmax of half-precision logits run in float32 and save only
   half-precision residuals (:mod:`jamp.attention`); ``exp``, ``log``, powers,
@@ -42,6 +59,11 @@ Example:
   >>> jaxpr = jax.make_jaxpr(fast)(params, jnp.ones((2, 4)))
   >>> [str(e.invars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "dot_general"]
   ['bfloat16', 'bfloat16']
+  >>> fp8 = jax.make_jaxpr(jamp.autocast(mlp, "fp8_current"))(params, jnp.ones((2, 4)))
+  >>> calls = [e.params["call_jaxpr"] for e in fp8.eqns if e.primitive.name == "custom_vjp_call"]
+  >>> [str(d.invars[0].aval.dtype) for c in calls for d in c.eqns
+  ...  if d.primitive.name == "dot_general"]  # the softmax has none
+  ['float8_e4m3fn', 'float8_e4m3fn']
 """
 
 from __future__ import annotations
@@ -57,6 +79,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from jamp import attention
+from jamp.fp8 import COLLECTION, Fp8Recipe, current_scaling_dot_general
 from jamp.policy import MixedPrecision, PolicyLike, to_mixed_precision
 
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -115,6 +138,11 @@ class Rules:
       softmax: run softmax/log-softmax of half-precision logits in float32.
       float32_ops: run exp/log/pow/sqrt/sums of half-precision values in float32.
       cast_inputs: evaluate on floating inputs cast to the compute dtype.
+      fp8: the recipe's :class:`jamp.fp8.Fp8Recipe` or ``None``; with ``cast_dots``,
+        current scaling runs every ``dot_general`` without batch dimensions as
+        :func:`jamp.fp8.current_scaling_dot_general`, and delayed scaling is refused
+        by :func:`rewrite` (no state to keep); without ``cast_dots`` it is unused
+        (``jamp.apply_policy`` installs fp8 in the layers).
     """
 
     compute_dtype: Any
@@ -122,6 +150,7 @@ class Rules:
     softmax: bool = True
     float32_ops: bool = True
     cast_inputs: bool = False
+    fp8: Fp8Recipe | None = None
 
     @classmethod
     def for_recipe(cls, mp: MixedPrecision) -> Rules:
@@ -132,10 +161,44 @@ class Rules:
           >>> from jamp.autocast import Rules
           >>> Rules.for_recipe(jamp.mixed_precision("bf16_pure")).softmax
           False
+          >>> Rules.for_recipe(jamp.mixed_precision("fp8_current")).fp8.scaling
+          'current'
         """
         half = jnp.dtype(mp.policy.compute_dtype) in _HALF
         return cls(mp.policy.compute_dtype, softmax=mp.softmax_fp32 and half,
-                   float32_ops=mp.softmax_fp32 and half)
+                   float32_ops=mp.softmax_fp32 and half, fp8=mp.fp8)
+
+
+def _check_fp8(recipe: Fp8Recipe | None) -> None:
+    """Refuses what autocast cannot do with an fp8 recipe, naming the fix."""
+    if recipe is None:
+        return
+    if recipe.scaling == "delayed":
+        raise ValueError(
+            "jamp.autocast with delayed-scaling fp8 (mode 'fp8'/'fp8_delayed', "
+            "Fp8Recipe(scaling='delayed')): delayed scaling keeps an amax history per matmul "
+            "from step to step, and autocast is a stateless function transform with nowhere "
+            "to keep it. Use mode 'fp8_current' with jamp.autocast (current scaling, no "
+            "state), or apply mode 'fp8' to a Flax linen/NNX model with jamp.apply_policy, "
+            f"whose state lives in the {COLLECTION!r} collection (jamp.fp8.COLLECTION, "
+            "linen) or in jamp.fp8.Fp8Meta variables (NNX).")
+    extra = [n for n in recipe.keep_bf16 if n != "head"]
+    if extra:
+        raise ValueError(
+            f"jamp.autocast with Fp8Recipe(keep_bf16={recipe.keep_bf16!r}): autocast sees "
+            "ops, not named layers, so it cannot keep the matmuls of "
+            f"{tuple(extra)!r} in bf16 (every projection runs in fp8; the default ('head',) "
+            "is accepted and does not apply). Use keep_bf16=() or ('head',), and compute the "
+            "matmuls to keep outside the autocast function (or under jamp.autocast(f, "
+            "'bf16')); or use jamp.apply_policy on a Flax model, which matches layer names.")
+
+
+def _projection(eqn: jex.JaxprEqn) -> bool:
+    """A ``dot_general`` without batch dimensions (a layer's ``x @ w``, not attention's)."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    _, (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    return not lhs_batch and not rhs_batch
 
 
 # ----------------------------------------------------------------------------- patterns
@@ -288,12 +351,18 @@ def _polymorphic(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
 
 
 def _dot(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
-    """A matmul/conv on compute-dtype operands, returning the compute dtype."""
+    """A matmul/conv on compute-dtype operands, returning the compute dtype; projections
+    as current-scaling fp8 matmuls where the recipe says so."""
     if not all(_floating(x) for x in invals):
         return _as_traced(eqn, invals)
     compute = jnp.dtype(rules.compute_dtype)
+    operands = [x.astype(compute) for x in invals]
+    if rules.fp8 is not None and rules.fp8.scaling == "current" and _projection(eqn):
+        dims = tuple(tuple(tuple(int(d) for d in axes) for axes in pair)
+                     for pair in eqn.params["dimension_numbers"])  # hashable: a static arg
+        return [current_scaling_dot_general(*operands, dims, preferred_element_type=compute)]
     params = dict(eqn.params, preferred_element_type=compute)
-    return _bind(eqn, [x.astype(compute) for x in invals], params)
+    return _bind(eqn, operands, params)
 
 
 def _float32(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
@@ -467,7 +536,13 @@ def rewrite(fn: Callable[..., Any], rules: Rules) -> Callable[..., Any]:
       >>> f = rewrite(lambda x: x @ x, Rules(jnp.bfloat16))
       >>> f(jnp.ones((2, 2))).dtype
       dtype(bfloat16)
+
+    Raises:
+      ValueError: for ``rules.fp8`` that dots cannot honour (delayed scaling, layer
+        names in ``keep_bf16``) when ``rules.cast_dots`` is set.
     """
+    if rules.cast_dots:
+        _check_fp8(rules.fp8)
 
     @functools.wraps(fn)
     def rewritten(*args, **kwargs):
@@ -505,6 +580,18 @@ def autocast(fn: Callable[..., Any], policy_or_mode: PolicyLike) -> Callable[...
     rules, as ``jamp.apply_policy`` does. Parameters stay in the dtype you
     store them in (``mp.policy.cast_to_param(params)`` gives the param dtype).
 
+    fp8: under ``"fp8_current"`` (a recipe with ``fp8.scaling == "current"``)
+    every projection, i.e. every ``dot_general`` without batch dimensions
+    (``x @ w``, ``nn.Dense``, ``einsum`` with a kernel), runs as
+    :func:`jamp.fp8.current_scaling_dot_general` (E4M3 operands, E5M2 gradient,
+    compute-dtype result); ``dot_general`` with batch dimensions (attention's
+    score and value matmuls, batched matmuls) and convolutions stay in the
+    compute dtype. There are no layer names here: the classifier is fp8 too
+    (``Fp8Recipe.keep_bf16``'s default ``("head",)`` does not apply, other names
+    are refused); compute a matmul to keep in bf16 outside ``fn``. Delayed
+    scaling (``"fp8"``, ``"fp8_delayed"``) needs amax state between steps that
+    a function transform cannot keep, and is refused.
+
     Args:
       fn: any function of arrays (and of other Python values, passed as is).
       policy_or_mode: a mode name, a policy string, a ``jamp.Policy`` or a
@@ -513,10 +600,18 @@ def autocast(fn: Callable[..., Any], policy_or_mode: PolicyLike) -> Callable[...
     Returns:
       A function with ``fn``'s signature.
 
+    Raises:
+      ValueError: at call time, for delayed-scaling fp8 (``"fp8"``): use
+        ``"fp8_current"``, or ``jamp.apply_policy`` on a linen/NNX model (state in
+        ``jamp.fp8.COLLECTION`` / ``jamp.fp8.Fp8Meta``); for ``Fp8Recipe.keep_bf16``
+        naming layers other than ``"head"``.
+
     Example:
       >>> import jax, jax.numpy as jnp, jamp
       >>> loss = lambda w, x: jnp.mean(jax.nn.log_softmax(x @ w))
       >>> jax.grad(jamp.autocast(loss, "fp16"))(jnp.ones((3, 2)), jnp.ones((4, 3))).dtype
+      dtype('float32')
+      >>> jax.grad(jamp.autocast(loss, "fp8_current"))(jnp.ones((3, 2)), jnp.ones((4, 3))).dtype
       dtype('float32')
     """
     mp = to_mixed_precision(policy_or_mode)

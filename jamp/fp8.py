@@ -136,7 +136,7 @@ def tensor_scale(x: jax.Array, fp8_dtype: Any) -> jax.Array:
       >>> float(jamp.fp8.tensor_scale(jnp.array([-896.0, 3.0]), jamp.fp8.E4M3))
       2.0
     """
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)  # 0 (scale 1) when empty
     ok = (amax > 0) & jnp.isfinite(amax)
     return jnp.where(ok, amax / _fp8_max(fp8_dtype), jnp.float32(1.0))
 
