@@ -76,6 +76,8 @@ FIELD_HELP: dict[str, str] = {
     "mesh.model": "devices on the 'model' axis (tensor parallelism; -1: the rest)",
     "mesh.pipe": "devices on the 'pipe' axis (pipeline stages; -1: the rest)",
     "pipeline_microbatches": "microbatches per step when mesh.pipe > 1 (>= 1)",
+    "fp8_amax_history_length": "mode fp8 (delayed scaling): steps of amax history per tensor "
+                               "(>= 1; None: 1024, Transformer Engine's default)",
     "log_every_steps": "write train metrics every this many steps (>= 1)",
     "eval_every_epochs": "evaluate on the test split every this many epochs (>= 1)",
     "checkpoint_every_steps": "save a checkpoint every this many steps (>= 1)",
@@ -172,6 +174,9 @@ def vit_config(mode: str, arg: str | None = None) -> ml_collections.ConfigDict:
     # Parallelism: a mesh over all devices; -1 takes the rest.
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, pipe=1))
     c.pipeline_microbatches = 4
+
+    # fp8 (mode fp8): the delayed-scaling amax history; None keeps the recipe's 1024.
+    c.fp8_amax_history_length = config_dict.placeholder(int)
 
     # Loop.
     c.log_every_steps = 10

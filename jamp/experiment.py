@@ -90,9 +90,19 @@ def precision_from_config(config: Config) -> MixedPrecision:
     if "kind" in fields:
         fields["loss_scale"] = fields.pop("kind")
     try:
-        return mixed_precision(config.mode, **fields)
+        mp = mixed_precision(config.mode, **fields)
     except ValueError as e:
         raise ConfigError(f"--config.mode / --config.loss_scale: {e}") from None
+    history = config.get("fp8_amax_history_length")
+    if history is not None:
+        if mp.fp8 is None or mp.fp8.scaling != "delayed":
+            raise ConfigError(
+                f"--config.fp8_amax_history_length={history} is read by --config.mode=fp8 "
+                f"(delayed scaling) only, and this run's mode is {config.mode!r}: drop the "
+                "flag or use --config.mode=fp8.")
+        mp = dataclasses.replace(mp, fp8=dataclasses.replace(mp.fp8,
+                                                             amax_history_length=history))
+    return mp
 
 
 def build_optimizer(config: Config, total_steps: int,
@@ -207,6 +217,7 @@ _LIMITS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
     ("grad_clip_norm", _at_least(0), ">= 0 (0: no clipping)", "1.0"),
     ("label_smoothing", _in(0, 1), "in [0, 1)", "0.1"),
     ("pipeline_microbatches", _at_least(1), ">= 1", "4"),
+    ("fp8_amax_history_length", _at_least(1), ">= 1 (or None: 1024)", "1024"),
     ("log_every_steps", _at_least(1), ">= 1", "10"),
     ("eval_every_epochs", _at_least(1), ">= 1", "1"),
     ("checkpoint_every_steps", _at_least(1), ">= 1", "100"),
@@ -324,12 +335,6 @@ def build_experiment(config: Config) -> Experiment:
             "ViT as a function of its parameters, and delayed scaling keeps an fp8 state "
             "beside them (jamp.fp8.DelayedScalingDot; see jamp.fp8.nnx_commit for an NNX "
             "loop of your own). Use --config.mode=fp8_current or --config.framework=linen.")
-    if pipeline and mp.fp8 is not None and mp.fp8.scaling == "delayed":
-        raise ConfigError(
-            f"--config.mode={config.mode} keeps a delayed-scaling fp8 state per layer, and the "
-            f"pipeline (--config.mesh.pipe={pipeline.stages}) carries only the parameters "
-            "through its stages: use --config.mode=fp8_current (current scaling keeps no "
-            "state) or --config.mesh.pipe=1.")
     info = data.get_dataset_info(config.dataset, config.data_dir)
     module = vit.create(config.model, num_classes=info.num_classes, patch_size=config.patch_size,
                         dropout_rate=config.dropout_rate, remat=config.remat,
@@ -373,9 +378,18 @@ def _create_state(exp: Experiment, rng: jax.Array) -> train_state.TrainState:
     if exp.precision.fp8 is not None and exp.precision.fp8.scaling == "delayed":
         # The delayed-scaling state rides in the train state, outside the optimizer.
         return fp8.TrainState.create(apply_fn=exp.model.apply, params=variables["params"],
-                                     tx=exp.tx, fp8=variables.get(fp8.COLLECTION, {}))
+                                     tx=exp.tx,
+                                     fp8=_per_layer_axes(variables.get(fp8.COLLECTION, {})))
     return train_state.TrainState.create(apply_fn=exp.model.apply,
                                          params=variables["params"], tx=exp.tx)
+
+
+def _per_layer_axes(state: Any) -> Any:
+    """The fp8 state with logical axis names: the scanned blocks' ``[layers, n]`` are split
+    like their parameters (over 'pipe' stages), every other entry is replicated."""
+    return jax.tree_util.tree_map(
+        lambda x: nn.LogicallyPartitioned(x, ("layers", None) if x.ndim == 2 else (None,)),
+        state)
 
 
 def state_shardings(exp: Experiment, rng: jax.Array) -> tuple[Any, Any]:

@@ -535,7 +535,7 @@ def _max_over_bwd(axes, _, ct):
 _max_over.defvjp(_max_over_fwd, _max_over_bwd)
 
 
-def reduce_amax(tree: Any) -> Any:
+def reduce_amax(tree: Any, split_axes: Sequence[str] = ("pipe",)) -> Any:
     """Identity whose gradient (the new fp8 state) is max-reduced over the mesh axes it varies on.
 
     Inside ``jax.shard_map`` (``jamp.parallel.step.value_and_grad``) each 'data'
@@ -545,6 +545,13 @@ def reduce_amax(tree: Any) -> Any:
     Under plain ``jax.jit`` (nothing varies) it does nothing: the amax of a
     sharded array is already global.
 
+    Args:
+      tree: the fp8 state (float32 leaves), inside the differentiated function.
+      split_axes: manual mesh axes a leaf varies on because it is *split* over
+        them, not replicated: each shard holds different entries, which must not
+        be combined. By default jamp's pipeline axis ``'pipe'``, over which the
+        stacked per-layer state is split into stages.
+
     Example:
       >>> import jax, jax.numpy as jnp, jamp
       >>> float(jax.grad(lambda m: 3 * jamp.fp8.reduce_amax(m))(jnp.float32(1.0)))
@@ -553,10 +560,57 @@ def reduce_amax(tree: Any) -> Any:
     def one(x):
         aval = jax.typeof(x)
         manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.9; .vma before
-        axes = tuple(sorted(manual.varying if manual is not None else getattr(aval, "vma", ())))
+        varying = manual.varying if manual is not None else getattr(aval, "vma", ())
+        axes = tuple(sorted(set(varying) - set(split_axes)))
         return _max_over(x, axes) if axes else x
 
     return jax.tree_util.tree_map(one, tree)
+
+
+@jax.custom_vjp
+def _gradient_only_when(keep: jax.Array, x: jax.Array) -> jax.Array:
+    return x
+
+
+def _gradient_only_when_fwd(keep, x):
+    return x, keep
+
+
+def _gradient_only_when_bwd(keep, ct):
+    # An fm32 cotangent is converted for the select and back; 0 is the identity of max.
+    f32 = jax.lax.convert_element_type(ct, jnp.float32)
+    gated = jax.lax.convert_element_type(jnp.where(keep, f32, 0.0), ct.dtype)
+    return None, gated
+
+
+_gradient_only_when.defvjp(_gradient_only_when_fwd, _gradient_only_when_bwd)
+
+
+def only_on_real_data(tree: Any, real: jax.Array) -> Any:
+    """Identity on values; the state's gradient (its new value) is dropped where ``real`` is False.
+
+    A pipeline's bubble ticks run the layers on filler (zeros) whose outputs are
+    discarded; a parameter's gradient from them is exactly zero, but the fp8
+    state's "gradient" is its new amax history, which would take the filler's
+    amax. :class:`jamp.parallel.pipeline.GPipe` passes the stage's variables
+    through this on every tick, so only real microbatches enter the max.
+    Leaves that are not fp8 state (not flax's ``fm32``) pass untouched.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 1), jnp.bfloat16)
+      >>> def loss(m, real):
+      ...     m = jamp.fp8.only_on_real_data(jamp.fp8.as_meta(m), real)
+      ...     y = jamp.fp8.delayed_scaling_dot_general(x, w, (((1,), (0,)), ((), ())), m)
+      ...     return y.astype(jnp.float32).sum()
+      >>> new_meta = jax.jit(jax.grad(loss))
+      >>> [new_meta(jamp.fp8.init_meta(2), real)["input_amax_history"].tolist()
+      ...  for real in (True, False)]
+      [[1.0, 0.0], [0.0, 0.0]]
+    """
+    real = jnp.asarray(real, bool)
+    return jax.tree_util.tree_map(
+        lambda x: _gradient_only_when(real, x) if x.dtype == fp8_ops.fm32 else x, tree)
 
 
 def _keep_unused(old: Any, new: Any) -> Any:
@@ -650,6 +704,37 @@ def commit(state: TrainState, new_meta: Any, opt_state_before: Any,
     pending = where(applied, combined, state.fp8_pending)
     fp8 = where(applied & boundary, pending, state.fp8)
     return state.replace(fp8=fp8, fp8_pending=pending)
+
+
+def follow_loss_scale(state: TrainState, ratio: jax.Array) -> TrainState:
+    """Multiplies the gradient amax histories by ``ratio``, the loss scale's change this step.
+
+    The E5M2 gradient being quantized is the *loss-scaled* gradient, so its amax
+    history is in units of the scale it was recorded at. When the loss scale
+    grows (x2 after ``growth_interval`` clean steps) the next gradients are twice
+    the history's max, and delayed scaling would saturate their largest entries
+    at the E5M2 maximum; after a back-off it would waste a bit of range. The
+    train step calls this after every update (skipped or applied) with
+    ``new_scale / old_scale``, a power of two for the dynamic loss scale, so the
+    history stays exact. ``fp8`` and ``fp8_pending`` both follow.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> meta = dict(jamp.fp8.init_meta(2), output_grad_amax_history=jnp.array([3.0, 1.0]))
+      >>> s = jamp.fp8.TrainState.create(apply_fn=None, params={}, tx=optax.sgd(0.1),
+      ...                                fp8={"m": meta})
+      >>> jamp.fp8.follow_loss_scale(s, 2.0).fp8["m"]["output_grad_amax_history"].tolist()
+      [6.0, 2.0]
+    """
+    def rescale(tree):
+        if _is_meta_node(tree):
+            hist = tree["output_grad_amax_history"]
+            return dict(tree, output_grad_amax_history=hist * jnp.asarray(ratio, hist.dtype))
+        if isinstance(tree, dict):
+            return {k: rescale(v) for k, v in tree.items()}
+        return tree
+
+    return state.replace(fp8=rescale(state.fp8), fp8_pending=rescale(state.fp8_pending))
 
 
 def nnx_commit(model: nnx.Module, grads: nnx.State, applied: jax.Array | bool = True

@@ -164,7 +164,9 @@ def train_step(
     parameters; its gradient (the new state) bypasses the optimizer and the
     loss scale and is written back by :func:`jamp.fp8.commit`, only when the
     loss scale applied the step (max-combined over ``optax.MultiSteps``
-    micro-batches and, on a mesh, over the 'data' shards).
+    micro-batches and, on a mesh, over the 'data' shards and pipeline
+    microbatches); its gradient amax history follows the loss scale's changes
+    (:func:`jamp.fp8.follow_loss_scale`).
 
     Returns:
       The new state and metrics: loss, accuracy, loss_scale (used for this
@@ -195,6 +197,8 @@ def train_step(
         state = state.apply_gradients(grads=grads)
         # Not through the optimizer: kept only if the loss scale applied the step.
         state = fp8.commit(state, new_meta, before, overflow_stats(state.opt_state).last_finite)
+        # The gradient amax was of the gradient scaled by `scale`; the next is scaled anew.
+        state = fp8.follow_loss_scale(state, loss_scale(state.opt_state) / scale)
     stats = overflow_stats(state.opt_state)
     return state, dict(metrics, loss_scale=scale, grad_finite=stats.last_finite,
                        steps_skipped=stats.steps_skipped, diverged=stats.diverged)

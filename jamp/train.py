@@ -71,7 +71,10 @@ def mesh_value_and_grad(exp: Experiment, shardings: Any) -> ValueAndGrad:
 
     Example: see the module docstring (:func:`jit_train_step` steps with it).
     """
-    param_specs = jax.tree_util.tree_map(lambda s: s.spec, shardings.params)
+    spec = lambda tree: jax.tree_util.tree_map(lambda s: s.spec, tree)
+    param_specs = spec(shardings.params)
+    if getattr(shardings, "fp8", None):  # jamp.train_step differentiates (params, fp8 state)
+        param_specs = (param_specs, spec(shardings.fp8))
     return parallel.step.value_and_grad(param_specs, pipelined=exp.pipeline is not None)
 
 

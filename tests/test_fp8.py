@@ -462,7 +462,7 @@ def test_nnx_step_with_loss_scale_keeps_state_of_skipped_steps():
     assert hist[0] == 3.0 and hist[-1] == 2.0  # the skipped step left no trace
 
 
-def test_trainer_keeps_the_fp8_state_per_layer_and_refuses_it_with_a_pipeline():
+def test_trainer_keeps_the_fp8_state_per_layer_with_its_history_length():
     from jamp import experiment
     from jamp.config import vit_config
 
@@ -477,6 +477,9 @@ def test_trainer_keeps_the_fp8_state_per_layer_and_refuses_it_with_a_pipeline():
         experiment.build_experiment(vit_config("fp8_current")), jax.random.key(0))[0],
         fp8.TrainState)
     config = vit_config("fp8")
-    config.mesh.pipe = 2
-    with pytest.raises(experiment.ConfigError, match="fp8_current.*or --config.mesh.pipe=1"):
+    config.fp8_amax_history_length = 16
+    assert experiment.build_experiment(config).precision.fp8.amax_history_length == 16
+    config = vit_config("bf16")
+    config.fp8_amax_history_length = 16
+    with pytest.raises(experiment.ConfigError, match="drop the flag or use --config.mode=fp8"):
         experiment.build_experiment(config)

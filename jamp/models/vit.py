@@ -147,10 +147,11 @@ LayersFn = Callable[[Any, jax.Array, jax.Array | None], jax.Array]
 """``apply_layers(layer_params, x, dropout_rng) -> y``: applies ``[n, ...]``-stacked blocks."""
 
 LayerRunner = Callable[[LayersFn, Any, jax.Array, jax.Array | None], jax.Array]
-"""``runner(apply_layers, layer_params, x, dropout_rng) -> y``: runs the scanned blocks.
+"""``runner(apply_layers, layer_variables, x, dropout_rng) -> y``: runs the scanned blocks.
 
-``layer_params`` are the ``[num_layers, ...]``-stacked block parameters; the runner
-applies them through ``apply_layers`` in whatever pieces it likes (e.g.
+``layer_variables`` are the ``[num_layers, ...]``-stacked block variables
+(``{"params": ...}``, plus the fp8 delayed-scaling state in mode ``"fp8"``); the
+runner applies them through ``apply_layers`` in whatever pieces it likes (e.g.
 ``jamp.parallel.pipeline.GPipe``: pipeline stages over microbatches).
 """
 
@@ -206,18 +207,24 @@ class Encoder(nn.Module):
 
     def _run_layers(self, stack: Callable[[int], nn.Module], x: jax.Array,
                     deterministic: bool) -> jax.Array:
-        """Hands the stacked ``layers`` params and a function applying them to the runner."""
+        """Hands the stacked ``layers`` variables and a function applying them to the runner."""
         rng = None
         if not deterministic and (self.dropout_rate or self.attention_dropout_rate):
             rng = self.make_rng("dropout")
 
-        def apply_layers(params, h, key):
-            length = jax.tree_util.tree_leaves(params)[0].shape[0]
+        def apply_layers(layer_variables, h, key):
+            length = jax.tree_util.tree_leaves(layer_variables)[0].shape[0]
             rngs = {} if key is None else {"dropout": key}
-            return stack(length).apply({"params": params}, h, deterministic, rngs=rngs)[0]
+            return stack(length).apply(layer_variables, h, deterministic, rngs=rngs)[0]
 
-        layer_params = nn.unbox(self.variables["params"]["layers"])
-        return self.layer_runner(apply_layers, layer_params, x, rng)
+        # The runner splits every [num_layers, ...] leaf: the params and, in mode "fp8",
+        # each layer's delayed-scaling state (whose gradient, its new value, the runner
+        # combines by max over the microbatches).
+        layer_variables = {name: nn.unbox(collection["layers"])
+                           for name, collection in self.variables.items()
+                           if name in ("params", fp8_ops.OVERWRITE_WITH_GRADIENT)
+                           and "layers" in collection}
+        return self.layer_runner(apply_layers, layer_variables, x, rng)
 
 
 class ViT(nn.Module):

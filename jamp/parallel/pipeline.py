@@ -8,7 +8,10 @@ GPipe schedule: at tick ``t`` stage ``s`` works on microbatch ``t - s`` and
 hands its output to stage ``s + 1`` with ``jax.lax.ppermute``. The schedule has
 ``M + S - 1`` ticks, so a fraction ``(S - 1) / (M + S - 1)`` of each stage's
 time is bubble; bubble slots compute on zeros, so every value stays finite and
-the loss-scale overflow check only ever sees real overflows. ``jax.grad``
+the loss-scale overflow check only ever sees real overflows, and state
+combined by max (the fp8 amax histories of mode ``"fp8"``, flax's ``fm32``
+leaves) takes its new value from real microbatches only
+(:func:`jamp.fp8.only_on_real_data`). ``jax.grad``
 differentiates straight through the schedule (the transpose of a ``ppermute``
 is the reverse ``ppermute``), which gives GPipe's backward pass.
 
@@ -45,6 +48,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from jamp import fp8
 
 PIPE = "pipe"
 """The mesh axis the stages are laid out on."""
@@ -99,13 +104,21 @@ def gpipe(stage_fn: StageFn, stage_params: Any, inputs: jax.Array, *,
     # Stage 0 reads microbatch t at tick t; after the last one it is fed zeros.
     feed = jnp.concatenate(
         [inputs, jnp.zeros((stages - 1, *inputs.shape[1:]), inputs.dtype)])
+    if axis_name not in _varying_axes(feed):
+        # Explicitly varying, so the transpose (the inputs' gradient, summed over the stages
+        # of which only stage 0 reads them) is an all-reduce in _wide's dtype.
+        feed = jax.lax.pcast(_wide(feed), axis_name, to="varying").astype(inputs.dtype)
     forward = [(i, i + 1) for i in range(stages - 1)]
 
     def tick(carry, xs):
         received = carry
         t, fresh = xs
         x = jnp.where(stage == 0, fresh, received)
-        y = stage_fn(stage_params, x, jnp.clip(t - stage, 0, microbatches - 1))
+        microbatch = t - stage
+        # Bubble ticks run on filler: state combined by max (fp8 amax) must not see it.
+        real = (microbatch >= 0) & (microbatch < microbatches)
+        params = fp8.only_on_real_data(stage_params, real)
+        y = stage_fn(params, x, jnp.clip(microbatch, 0, microbatches - 1))
         # Stage s + 1 gets y next tick; stage 0 receives zeros (ppermute fills gaps).
         return jax.lax.ppermute(y, axis_name, forward), y
 
@@ -116,7 +129,23 @@ def gpipe(stage_fn: StageFn, stage_params: Any, inputs: jax.Array, *,
     # The last stage emits microbatch m at tick m + S - 1; keep only its outputs and
     # give them to every stage (a sum in which the other stages add zeros: exact).
     last = jnp.where(stage == stages - 1, outputs[stages - 1:], jnp.zeros_like(inputs))
-    return jax.lax.psum(last, axis_name)
+    return jax.lax.psum(_wide(last), axis_name).astype(last.dtype)
+
+
+def _varying_axes(x: jax.Array) -> frozenset[str]:
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.9; .vma before
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _wide(x: jax.Array) -> jax.Array:
+    """``x`` in float32 if bfloat16: for the schedule's two all-reduces (forward and backward).
+
+    XLA:CPU aborts compiling a bfloat16 all-reduce inside a partly manual
+    ``shard_map`` (its AllReducePromotion pass: "Invalid binary instruction opcode
+    copy"). Both all-reduces add one stage's values to zeros, exact in any dtype.
+    """
+    return x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
 
 
 def pipelined(stage_fn: StageFn, layer_params: Any, x: jax.Array, *, stages: int,
