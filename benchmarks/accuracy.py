@@ -54,7 +54,7 @@ def run_mode(mode: str, overrides: dict[str, Any], workdir: Path,
              framework: str = "linen") -> dict[str, Any] | None:
     """Trains one mode in ``workdir``; returns the row for the table.
 
-    None for a mode the framework's trainer refuses (delayed fp8 with NNX).
+    None for a configuration the trainer refuses (its message is printed).
     """
     config = vit_config(mode)
     config.progress = False

@@ -328,13 +328,6 @@ def build_experiment(config: Config) -> Experiment:
         raise ConfigError(str(e)) from None
     pipeline = pipeline_from_config(config, mesh)
     validate_config(config, mesh, pipeline)
-    if (config.get("framework") == "nnx" and mp.fp8 is not None
-            and mp.fp8.scaling == "delayed"):
-        raise ConfigError(
-            f"--config.mode={config.mode} with --config.framework=nnx: the trainer runs the NNX "
-            "ViT as a function of its parameters, and delayed scaling keeps an fp8 state "
-            "beside them (jamp.fp8.DelayedScalingDot; see jamp.fp8.nnx_commit for an NNX "
-            "loop of your own). Use --config.mode=fp8_current or --config.framework=linen.")
     info = data.get_dataset_info(config.dataset, config.data_dir)
     module = vit.create(config.model, num_classes=info.num_classes, patch_size=config.patch_size,
                         dropout_rate=config.dropout_rate, remat=config.remat,
@@ -373,7 +366,12 @@ def _create_state(exp: Experiment, rng: jax.Array) -> train_state.TrainState:
         with nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):  # NNX reads them at build
             model = vit_nnx.from_linen(exp.model, variables["params"],
                                        image_size=exp.config.image_size)
-        _, params = vit_nnx.functional(apply_policy(model, exp.precision), boxed=True)
+        model = apply_policy(model, exp.precision)
+        _, params = vit_nnx.functional(model, boxed=True)
+        if exp.precision.fp8 is not None and exp.precision.fp8.scaling == "delayed":
+            # The model's Fp8Meta values, per layer as linen's collection, beside the params.
+            return fp8.TrainState.create(apply_fn=exp.apply_fn, params=params, tx=exp.tx,
+                                         fp8=_per_layer_axes(vit_nnx.fp8_state(model)))
         return train_state.TrainState.create(apply_fn=exp.apply_fn, params=params, tx=exp.tx)
     if exp.precision.fp8 is not None and exp.precision.fp8.scaling == "delayed":
         # The delayed-scaling state rides in the train state, outside the optimizer.

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -133,8 +134,11 @@ def _keep_carry_dtype(out: Any, args: tuple) -> Any:
     return (carry, *out[1:])
 
 
-def _configure(module: nn.Module, mp: MixedPrecision, policy: Policy) -> None:
-    """Sets the policy's dtype fields, attention function and parameter hook on ``module``."""
+def _configure(module: nn.Module, mp: MixedPrecision, policy: Policy) -> bool:
+    """Sets the policy's dtype fields, attention function and parameter hook on ``module``.
+
+    Returns whether ``module`` runs its matmuls in fp8 (:func:`jamp.fp8.linen_install`).
+    """
     _set_field(module, "dtype", policy.compute_dtype)
     _set_field(module, "param_dtype", policy.param_dtype)
     if (
@@ -144,10 +148,19 @@ def _configure(module: nn.Module, mp: MixedPrecision, policy: Policy) -> None:
     ):
         _set_field(module, "attention_fn", attention.dot_product_attention)
     _set_field(module, "softmax_fp32", mp.softmax_fp32)
-    if mp.fp8 is not None and policy is mp.policy:  # fp8 matmuls where no override applies
-        fp8.linen_install(module, mp.fp8)
+    # fp8 matmuls where no override applies
+    in_fp8 = mp.fp8 is not None and policy is mp.policy and fp8.linen_install(module, mp.fp8)
     # An instance attribute shadows Module.param for this bound clone only.
     object.__setattr__(module, "param", _policy_param(module, policy))
+    return in_fp8
+
+
+_EINSUM_CALL = inspect.unwrap(nn.Einsum.__call__)
+
+
+def _runs_einsum_call(context: Any) -> bool:
+    """Whether the intercepted method is ``nn.Einsum``'s own ``__call__`` (not a subclass's)."""
+    return getattr(context.orig_method, "func", None) is _EINSUM_CALL
 
 
 def _softmax_rules(mp: MixedPrecision) -> Rules | None:
@@ -189,11 +202,14 @@ def _make_interceptor(mp: MixedPrecision, root: Sequence[str] = (), paths: _Path
             paths.initialised |= path == "" and context.method_name == "__call__"
         override = mp.override_for(type(module), path)
         policy = mp.policy if override is None else override
-        _configure(module, mp, policy)
+        in_fp8 = _configure(module, mp, policy)
         if context.method_name == "setup":
             return next_fun(*args, **kwargs)
-        out = next_fun(*_cast_floating(args, policy.compute_dtype),
-                       **_cast_floating(kwargs, policy.compute_dtype))
+        call = next_fun
+        if in_fp8 and _runs_einsum_call(context):  # nn.Einsum: no dot_general hook
+            call = functools.partial(fp8.linen_einsum, module, mp.fp8)
+        out = call(*_cast_floating(args, policy.compute_dtype),
+                   **_cast_floating(kwargs, policy.compute_dtype))
         if override is not None:
             out = _cast_floating(out, policy.output_dtype)
         return _keep_carry_dtype(out, args)

@@ -27,16 +27,31 @@ every use of one state entry combine by **max** (flax's ``fm32`` dtype), so a
 layer applied twice, a scan that broadcasts the state, or several
 micro-batches keep the largest amax instead of a sum.
 
+Where fp8 reaches (``jamp.apply_policy``, where no override applies): linen
+``nn.Dense``/``nn.DenseGeneral``, ``nn.Einsum`` (its call run by
+:func:`linen_einsum`), any linen module declaring ``dot_general`` and
+``dot_general_cls`` fields (:data:`LINEN_LAYERS`), NNX
+``Linear``/``LinearGeneral``/``Einsum`` and NNX modules declaring
+``dot_general_names`` (:func:`nnx_install`): in the jamp ViT (linen and NNX)
+the MLP and the four attention projections (query, key, value, out; one
+delayed state each). Stay bf16, and why: attention's score and value matmuls
+(both operands are activations whose range changes per batch, around a
+float32 softmax); layers named in ``Fp8Recipe.keep_bf16`` (the ``head``);
+layers under an override; raw ``jnp.einsum``/``@`` on parameters in user code.
+
 The train step (:func:`jamp.train_step` on a :class:`TrainState`) differentiates
 the state with the parameters and keeps it out of the optimizer and the loss
 scale: the new state is written back only when the loss scale applied the
 step, combined by max over the micro-batches of an ``optax.MultiSteps``
-window, and max-reduced over the 'data' shards of
+window, max-reduced over the 'data' shards of
 ``jamp.parallel.step.value_and_grad`` (:func:`reduce_amax`), so every device
-holds the same scales. With loss scaling the E5M2 gradient amax is that of
-the *scaled* gradient (the tensor being quantized). Not covered: NNX
-accumulation windows (:func:`nnx_commit` commits each applied step) and
-pipelined meshes (the state has no stage layout there).
+holds the same scales, and over the microbatches of a GPipe pipeline (whose
+stages each hold their own layers' state; its bubble's filler is kept out,
+:func:`only_on_real_data`). With loss scaling the E5M2 gradient amax is that
+of the *scaled* gradient (the tensor being quantized), and its history follows
+the loss scale's changes (:func:`follow_loss_scale`). In an NNX loop of your
+own, :func:`nnx_commit` commits each applied step (no accumulation windows;
+the trainer's NNX path uses :class:`TrainState` and has them).
 
 Example:
   >>> import jax, jax.numpy as jnp, jamp
@@ -350,6 +365,11 @@ def linen_dot_general_cls(recipe: Fp8Recipe) -> Any:
     return _linen_op(recipe.amax_history_length)
 
 
+def _linen_meta(op: nn.Module) -> dict[str, jax.Array]:
+    """The six state values of a bound ``Fp8DirectDotGeneralOp`` (runs its ``setup``)."""
+    return {n: getattr(op, n).value for n in META_NAMES}
+
+
 @functools.cache
 def _linen_op(length: int) -> type:
     def setup(self):
@@ -366,8 +386,7 @@ def _linen_op(length: int) -> type:
 
     def call(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
         del precision, preferred_element_type  # fp8 has one precision; output: rhs's dtype
-        return delayed_scaling_dot_general(
-            lhs, rhs, dimension_numbers, {n: getattr(self, n).value for n in META_NAMES})
+        return delayed_scaling_dot_general(lhs, rhs, dimension_numbers, _linen_meta(self))
 
     # A subclass (not a partial): flax names the submodule after its class.
     return type("Fp8DirectDotGeneralOp", (fp8_ops.Fp8DirectDotGeneralOp,),
@@ -427,27 +446,52 @@ class DelayedScalingDot(nnx.Module):
         return delayed_scaling_dot_general(lhs, rhs, dims, self.meta())
 
 
-LINEN_LAYERS: tuple[type, ...] = (nn.Dense, nn.DenseGeneral)
-"""Linen layers whose matmul the fp8 modes replace (``nn.Einsum`` has no ``dot_general`` hook)."""
+LINEN_LAYERS: tuple[type, ...] = (nn.Dense, nn.DenseGeneral, nn.Einsum)
+"""Linen layers whose matmul the fp8 modes replace, by way of the policy interceptor.
+
+Besides these, any linen module declaring both ``dot_general`` and
+``dot_general_cls`` dataclass fields (flax's injection convention, as
+``nn.Dense``/``nn.DenseGeneral`` do: ``dot_general_cls()`` is instantiated once
+per matmul, else ``dot_general`` is called, else ``lax.dot_general``), such as
+the ViT's :class:`jamp.models.vit.SelfAttention` (its four projections). Flax's
+``nn.Einsum`` has no such hook: the interceptor runs its call through
+:func:`linen_einsum` instead.
+"""
 
 NNX_LAYERS: tuple[type, ...] = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
-"""NNX layers whose matmul the fp8 modes replace."""
+"""NNX layers whose matmul the fp8 modes replace (and modules with ``dot_general_names``)."""
+
+
+def _declares_dot_general(module: nn.Module) -> bool:
+    fields = getattr(type(module), "__dataclass_fields__", {})
+    return "dot_general" in fields and "dot_general_cls" in fields
 
 
 def linen_install(module: nn.Module, recipe: Fp8Recipe) -> bool:
-    """Sets the fp8 matmul of a bound linen ``Dense``/``DenseGeneral`` (by the policy interceptor).
+    """Gives a bound linen layer its fp8 matmul (called by the policy interceptor).
 
-    Returns whether ``module`` is such a layer (and not named in
-    ``recipe.keep_bf16``). Delayed scaling sets
-    ``dot_general_cls`` to flax's ``Fp8DirectDotGeneralOp`` (state in
-    :data:`COLLECTION`, under the layer); current scaling sets ``dot_general``.
+    Returns whether ``module`` runs its matmuls in fp8: it is an ``nn.Einsum``
+    or declares both ``dot_general`` and ``dot_general_cls`` fields (``Dense``,
+    ``DenseGeneral``, the ViT's ``SelfAttention``: see :data:`LINEN_LAYERS`),
+    and its name is not in ``recipe.keep_bf16``. Delayed scaling sets
+    ``dot_general_cls`` to flax's ``Fp8DirectDotGeneralOp`` (one state in
+    :data:`COLLECTION` per matmul, under the layer); current scaling sets
+    ``dot_general``. An ``nn.Einsum`` has neither field: nothing is set, and
+    the interceptor calls :func:`linen_einsum` in place of its ``__call__``.
 
     Example:
       >>> import flax.linen as nn, jamp
-      >>> jamp.fp8.linen_install(nn.LayerNorm(), jamp.fp8.Fp8Recipe())
+      >>> install = lambda module: jamp.fp8.linen_install(module, jamp.fp8.Fp8Recipe())
+      >>> install(nn.LayerNorm()), install(nn.Dense(2)), install(nn.Einsum((2, 3), "bi,io->bo"))
+      (False, True, True)
+      >>> install(nn.Dense(2, name="head"))  # keep_bf16
       False
     """
-    if not isinstance(module, LINEN_LAYERS) or module.name in recipe.keep_bf16:
+    if module.name in recipe.keep_bf16:
+        return False
+    if isinstance(module, nn.Einsum) and not _declares_dot_general(module):
+        return True
+    if not _declares_dot_general(module):
         return False
     if recipe.scaling == "delayed":
         name, value = "dot_general_cls", linen_dot_general_cls(recipe)
@@ -458,13 +502,139 @@ def linen_install(module: nn.Module, recipe: Fp8Recipe) -> bool:
     return True
 
 
+def linen_einsum(module: nn.Einsum, recipe: Fp8Recipe, inputs: jax.Array,
+                 einsum_str: str | None = None) -> jax.Array:
+    """``nn.Einsum.__call__`` with its contraction an fp8 matmul (the policy interceptor's).
+
+    Flax's ``nn.Einsum`` calls ``jnp.einsum`` itself, with no ``dot_general``
+    hook, so in the fp8 modes the policy interceptor runs this in place of its
+    ``__call__``: the same steps (its ``kernel`` and ``bias`` params through
+    ``module.param``, the bias shape from the Einsum's own ``_get_bias_shape``,
+    its ``promote_dtype``, ``precision`` and ``preferred_element_type``), the
+    same parameter tree, with ``jnp.einsum(..., _dot_general=...)`` doing the
+    contraction in fp8. Delayed scaling keeps its state in an
+    ``Fp8DirectDotGeneralOp`` child of the Einsum (as a ``Dense``'s: one state
+    per Einsum in :data:`COLLECTION`), read before ``jnp.einsum`` (which
+    traces its contraction under its own ``jit``, where a flax module must not
+    create variables). Where ``jnp.einsum`` puts the kernel first (the output
+    lists the kernel's free axes first) the state's ``input_*`` and
+    ``kernel_*`` entries trade places; each still scales its own operand.
+
+    Args:
+      module: a bound ``nn.Einsum``, inside its ``__call__`` (the interceptor's
+        ``next_fun`` context).
+      recipe: the fp8 recipe.
+      inputs, einsum_str: the arguments of ``nn.Einsum.__call__``.
+
+    Returns:
+      The Einsum's output.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jamp
+      >>> model = jamp.apply_policy(nn.Einsum((3, 2, 4), "bi,ihd->bhd"), "fp8")
+      >>> v = jax.jit(model.init)(jax.random.key(0), jnp.ones((5, 3)))
+      >>> sorted(v["params"]), sorted(v[jamp.fp8.COLLECTION])
+      (['bias', 'kernel'], ['Fp8DirectDotGeneralOp_0'])
+    """
+    if not isinstance(module, nn.Einsum):
+        raise TypeError(f"linen_einsum runs an nn.Einsum's call, got {type(module).__name__}.")
+    einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
+    if "->" not in einsum_str:
+        raise ValueError('`einsum_str` equation must be explicit and include "->".')
+    if einsum_str.count(",") != 1:
+        raise ValueError(
+            "`einsum_str` equation must have exactly two operands and therefore, exactly one "
+            f"comma character, instead of {einsum_str.count(',')}")
+    kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
+    bias = None
+    if module.use_bias:
+        bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, inputs, kernel)
+        bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+    inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+    if recipe.scaling == "delayed":
+        meta = _linen_meta(linen_dot_general_cls(recipe)())  # a child of ``module``
+        dot = functools.partial(_einsum_dot, meta=meta)
+    else:
+        dot = current_scaling_dot_general
+    y = jnp.einsum(einsum_str, inputs, kernel, precision=module.precision,
+                   preferred_element_type=module.preferred_element_type, _dot_general=dot)
+    if bias is not None:
+        y += jnp.reshape(bias, broadcast_shape)
+    return y
+
+
+def _einsum_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
+                preferred_element_type: Any = None, *, meta: dict[str, jax.Array]) -> jax.Array:
+    """``jnp.einsum``'s ``_dot_general`` for delayed scaling on read state values."""
+    del precision
+    y = delayed_scaling_dot_general(lhs.astype(rhs.dtype), rhs, dimension_numbers, meta)
+    return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _stacked_shape(layer: nnx.Module) -> tuple[int, ...]:
+    """The leading axes ``nnx.vmap`` stacked ``layer`` along (``()`` for a single layer).
+
+    A layer created under ``nnx.vmap`` (e.g. the scanned blocks of a ViT) has a
+    kernel with extra leading axes; its delayed-scaling state gets the same ones,
+    so ``nnx.scan`` gives each layer its own state (as linen's ``nn.scan`` with
+    the collection in ``variable_axes``).
+    """
+    if isinstance(layer, nnx.Einsum):
+        own = len(layer.kernel_shape)
+    elif isinstance(layer, nnx.LinearGeneral):
+        own = len(layer.batch_axis) + len(layer.in_features) + len(layer.out_features)
+    else:
+        own = 2
+    shape = tuple(layer.kernel.shape)
+    return shape[:len(shape) - own]
+
+
+def _delayed_dot(recipe: Fp8Recipe, stacked: tuple[int, ...]) -> DelayedScalingDot:
+    """A :class:`DelayedScalingDot` whose state has the leading axes ``stacked``."""
+    dot = DelayedScalingDot(recipe.amax_history_length)
+    for meta in jax.tree_util.tree_leaves(nnx.state(dot, Fp8Meta), is_leaf=_is_variable):
+        meta.set_value(jnp.broadcast_to(meta.get_value(), stacked + meta.shape))
+    return dot
+
+
+def _install_declared(layer: nnx.Module, names: tuple[str, ...], recipe: Fp8Recipe) -> None:
+    """fp8 for a module declaring ``dot_general_names`` (see :func:`nnx_install`)."""
+    if not names or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise TypeError(
+            f"{type(layer).__name__}.dot_general_names must be a tuple of distinct matmul "
+            f"names (e.g. ('query', 'key', 'value', 'out')), got {names!r}.")
+    if recipe.scaling == "current":
+        layer.dot_general = current_scaling_dot_general
+        return
+    stacked = getattr(layer, "stacked_shape", lambda: ())()
+    layer.dot_general = nnx.data(nnx.Dict({n: _delayed_dot(recipe, tuple(stacked))
+                                            for n in names}))
+
+
 def nnx_install(layer: nnx.Module, recipe: Fp8Recipe, name: Any = None) -> bool:
     """Gives an ``nnx.Linear``/``LinearGeneral``/``Einsum`` an fp8 matmul, in place.
 
-    Returns whether ``layer`` is such a layer (and ``name``, the last component
-    of its path, is not in ``recipe.keep_bf16``). Delayed scaling installs a
+    Returns whether ``layer`` is such a layer or declares ``dot_general_names``
+    (and ``name``, the last component of its path, is not in
+    ``recipe.keep_bf16``). Delayed scaling installs a
     :class:`DelayedScalingDot` (its :class:`Fp8Meta` state becomes part of the
-    layer's state); current scaling installs :func:`current_scaling_dot_general`.
+    layer's state; a layer stacked by ``nnx.vmap`` gets one state per layer, the
+    stacked axes leading); current scaling installs :func:`current_scaling_dot_general`.
+
+    Other NNX modules join by declaring their matmuls: a class attribute
+    ``dot_general_names`` (e.g. ``("query", "key", "value", "out")``) and an
+    attribute ``dot_general`` that each of those matmuls calls (``None``:
+    ``lax.dot_general``), or, when ``dot_general`` is a mapping, calls its
+    own entry ``dot_general[name]``. Current scaling sets ``dot_general`` to
+    :func:`current_scaling_dot_general`; delayed scaling to an ``nnx.Dict``
+    of one :class:`DelayedScalingDot` per name. A module that ``nnx.vmap``
+    may stack also defines ``stacked_shape()`` (its leading stacked axes) so
+    that each stacked layer gets its own state. The NNX ViT's
+    :class:`jamp.models.vit_nnx.SelfAttention` is one.
 
     Example:
       >>> import jax.numpy as jnp, jamp
@@ -475,13 +645,17 @@ def nnx_install(layer: nnx.Module, recipe: Fp8Recipe, name: Any = None) -> bool:
       >>> layer.dot_general.__name__
       'current_scaling_dot_general'
     """
-    if not isinstance(layer, NNX_LAYERS) or (name is not None and
-                                             str(name) in recipe.keep_bf16):
+    names = getattr(type(layer), "dot_general_names", None)
+    if not (isinstance(layer, NNX_LAYERS) or names) or (name is not None and
+                                                        str(name) in recipe.keep_bf16):
         return False
+    if not isinstance(layer, NNX_LAYERS):  # a module declaring its matmuls (dot_general_names)
+        _install_declared(layer, tuple(names), recipe)
+        return True
     einsum = isinstance(layer, nnx.Einsum)
     name = "einsum_op" if einsum else "dot_general"
     if recipe.scaling == "delayed":
-        setattr(layer, name, nnx.data(DelayedScalingDot(recipe.amax_history_length)))
+        setattr(layer, name, nnx.data(_delayed_dot(recipe, _stacked_shape(layer))))
     else:
         setattr(layer, name, current_scaling_einsum if einsum else current_scaling_dot_general)
     return True

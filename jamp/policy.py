@@ -438,16 +438,17 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
       - ``bf16_pure`` ("bf16-true"): everything bf16 (TPU-style pure bf16).
       - ``fp8`` ("fp8_delayed"): ``bf16`` plus fp8 matmuls with delayed scaling
         (E4M3 operands, E5M2 gradients, amax history of 1024 steps) in linen
-        ``Dense``/``DenseGeneral`` and NNX ``Linear``/``LinearGeneral``/``Einsum``
-        (attention projections included); the state lives in the
+        ``Dense``/``DenseGeneral``/``Einsum`` and NNX ``Linear``/``LinearGeneral``/
+        ``Einsum`` (attention projections included); the state lives in the
         ``"_overwrite_with_gradient"`` collection (:mod:`jamp.fp8`). Attention's
         score and value matmuls stay bf16 (both operands are activations whose
         range changes per batch, and the float32 softmax sits between them), so
         does a layer named ``head`` (``Fp8Recipe.keep_bf16``: the classifier
         feeds the loss directly and is too small to gain) and any layer with an
         override (``overrides={"out": "p=f32,c=bf16,o=f32"}``). Linen
-        ``nn.Einsum`` and raw ``jnp.einsum``/``@`` on parameters stay bf16 (no
-        hook).
+        ``nn.Einsum`` and modules with Flax's ``dot_general``/``dot_general_cls``
+        fields (the jamp ViT's attention projections) run fp8 too; raw
+        ``jnp.einsum``/``@`` on parameters inside a module stay bf16 (no hook).
       - ``fp8_current``: the same with current scaling (stateless).
 
     Args:

@@ -147,8 +147,7 @@ def test_loss_scale_mlp_quick_as_a_module(tmp_path):
 def test_accuracy_one_step(tmp_path):
     from benchmarks import accuracy
 
-    # NNX with delayed fp8 is refused by the trainer: skipped, not a failed benchmark.
-    result = accuracy.main(["--modes", "fp8", "--frameworks", "nnx,linen",
+    result = accuracy.main(["--modes", "fp8", "--frameworks", "linen",
                             "--set", "max_steps=1", "--set", "num_layers=1",
                             "--set", "hidden_size=16", "--set", "num_heads=2",
                             "--set", "mlp_dim=32", "--set", "mesh.data=1",

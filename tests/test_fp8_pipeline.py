@@ -28,8 +28,9 @@ STEPS, BATCH, NAN_STEP = 4, 16, 2
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _config(mesh: tuple[int, int, int]):
+def _config(mesh: tuple[int, int, int], framework: str = "linen"):
     config = vit_config("fp8")
+    config.framework = framework
     config.num_layers, config.hidden_size, config.num_heads, config.mlp_dim = 2, 16, 2, 32
     config.batch_size, config.max_steps, config.pipeline_microbatches = BATCH, STEPS, 2
     config.optimizer, config.warmup_steps, config.progress, config.plot = "sgd", 1, False, False
@@ -44,14 +45,14 @@ def _config(mesh: tuple[int, int, int]):
 class Run:
     """A few trainer steps of mode "fp8" on one mesh; a NaN example at step NAN_STEP."""
 
-    def __init__(self, mesh, batches, initial=None):
-        self.exp = experiment.build_experiment(_config(mesh))
+    def __init__(self, mesh, batches, initial=None, framework="linen"):
+        self.exp = experiment.build_experiment(_config(mesh, framework))
         rng = jax.random.key(0)
         with jax.set_mesh(self.exp.mesh):
             _, self.shardings = experiment.state_shardings(self.exp, rng)
             if initial is None:
                 initial = jax.device_get(experiment.init_state(self.exp, rng, self.shardings))
-        self.initial = initial.replace(apply_fn=self.exp.model.apply, tx=self.exp.tx)
+        self.initial = initial.replace(apply_fn=self.exp.apply_fn, tx=self.exp.tx)
         with self.context():
             state = jax.device_put(self.initial, self.shardings)
             self.state0 = state
@@ -85,6 +86,12 @@ def runs():
     batches = [next(it) for _ in range(STEPS)]
     single = Run((1, 1, 1), batches)
     return single, Run((2, 2, 2), batches, single.initial), batches
+
+
+@pytest.fixture(scope="module")
+def nnx_piped(runs):
+    """The NNX ViT's trainer on a 2-stage pipeline (its own initial state: other paths)."""
+    return Run((1, 1, 2), runs[2], framework="nnx")
 
 
 def _history(tree, name="input_amax_history"):
@@ -182,3 +189,22 @@ def test_bubble_ticks_do_not_enter_the_amax():
     real = float(jnp.max(8.0 / (1.0 + x * x)))
     # Filler zeros would give 8 / (1 + 0) = 8.
     np.testing.assert_allclose(front, [real, real], rtol=1e-2)
+
+
+def test_nnx_pipelined_fp8_trains_like_linen_on_one_device(runs, nnx_piped):
+    single = runs[0]
+    spec = nnx_piped.shardings.fp8["encoder"]["layers"]["mlp"]["fc1"]["dot_general"][
+        "input_amax_history"].spec
+    assert spec == P("pipe", None)
+    assert nnx_piped.finite == single.finite
+    # The NNX ViT starts from the linen ViT's weights: the same run, up to bf16 rounding.
+    np.testing.assert_allclose(nnx_piped.losses, single.losses, rtol=2e-2)
+    linen = single.final.fp8["encoder"]["layers"]["MlpBlock_0"]["Dense_0"][
+        "Fp8DirectDotGeneralOp_0"]
+    nnx = jax.device_get(nnx_piped.final.fp8)["encoder"]["layers"]["mlp"]["fc1"]["dot_general"]
+    for name in ("input_amax_history", "kernel_amax_history"):
+        np.testing.assert_allclose(nnx[name], linen[name], rtol=RTOL[name.split("_")[0]])
+    before, after = nnx_piped.states[NAN_STEP - 1].fp8, nnx_piped.states[NAN_STEP].fp8
+    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

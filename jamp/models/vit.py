@@ -75,6 +75,22 @@ class SelfAttention(nn.Module):
     the 'model' mesh axis (Megatron). ``dtype``/``param_dtype``/``softmax_fp32``
     are set by the jamp policy; the softmax runs in float32 when asked and keeps
     half-precision residuals (:mod:`jamp.attention`).
+
+    The four projections (query, key, value, out) follow flax's ``dot_general``
+    injection convention, as ``nn.DenseGeneral``: with ``dot_general_cls`` each
+    projection instantiates its own ``dot_general_cls()`` (in that order), else
+    all four call ``dot_general``, else ``jax.lax.dot_general``. The fp8 modes
+    set them (:func:`jamp.fp8.linen_install`: one delayed-scaling state per
+    projection); the parameters are the same whichever is set. The score and
+    value matmuls of the attention itself always run in the compute dtype.
+
+    Attributes:
+      num_heads: attention heads (``embed`` must be divisible by it).
+      dropout_rate: attention dropout probability.
+      dtype, param_dtype, softmax_fp32: set by the jamp policy.
+      dot_general: the projections' ``lax.dot_general`` replacement (None: lax's).
+      dot_general_cls: a class instantiated once per projection as its
+        ``dot_general`` (wins over ``dot_general``).
     """
 
     num_heads: int
@@ -82,6 +98,8 @@ class SelfAttention(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     softmax_fp32: bool = True
+    dot_general: Callable[..., jax.Array] | None = None
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
@@ -104,8 +122,21 @@ class SelfAttention(nn.Module):
         out_bias = param("out_bias", nn.initializers.zeros, (embed,), ("embed",))
         x, *weights = nn.dtypes.promote_dtype(
             x, *[w for pair in qkv for w in pair], out_kernel, out_bias, dtype=self.dtype)
-        q, k, v = (jnp.einsum("bse,ehd->bshd", x, weights[2 * i]) + weights[2 * i + 1]
-                   for i in range(3))
+
+        def dot_general():  # one projection's matmul: its own dot_general_cls(), or shared
+            if self.dot_general_cls is not None:
+                return self.dot_general_cls()
+            if self.dot_general is not None:
+                return self.dot_general
+            return lambda a, b, dims: jax.lax.dot_general(  # as jnp.einsum calls it
+                a, b, dims, preferred_element_type=jnp.result_type(a, b))
+
+        # The projections are the dots jnp.einsum makes of "bse,ehd->bshd" and "bshd,hde->bse"
+        # (the same jaxpr by default), called directly: jnp.einsum(_dot_general=...) traces
+        # its dot under its own jit, where a flax module (a dot_general_cls instance) must
+        # not create its variables.
+        q, k, v = [dot_general()(x, weights[2 * i], (((x.ndim - 1,), (0,)), ((), ())))
+                   + weights[2 * i + 1] for i in range(3)]
         q, k, v = (nn.with_logical_constraint(t, ("batch", "seq", "heads", "kv"))
                    for t in (q, k, v))
         dropout_rng = None
@@ -119,7 +150,8 @@ class SelfAttention(nn.Module):
             y = nn.dot_product_attention(
                 q, k, v, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
                 deterministic=deterministic)
-        return jnp.einsum("bshd,hde->bse", y, weights[-2]) + weights[-1]
+        out = dot_general()(y, weights[-2], (((y.ndim - 1, y.ndim - 2), (1, 0)), ((), ())))
+        return out + weights[-1]
 
 
 class EncoderBlock(nn.Module):

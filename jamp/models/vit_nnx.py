@@ -20,7 +20,10 @@ embedding and the position embeddings.
   pipeline stages, through the same interface as the linen model.
 - **The linen trainer's view**: :func:`functional` returns ``(apply_fn, params)``
   with ``apply_fn(variables, images, train=..., rngs={"dropout": key})`` as
-  ``model.apply`` of the linen ViT, for ``jamp.train_step`` and a ``TrainState``.
+  ``model.apply`` of the linen ViT, for ``jamp.train_step`` and a ``TrainState``;
+  in mode ``"fp8"`` :func:`fp8_state` is the delayed-scaling state that
+  ``apply_fn`` reads from ``variables[jamp.fp8.COLLECTION]``, laid out per layer
+  as linen's, for a ``jamp.fp8.TrainState``.
 
 Example:
   >>> import jax.numpy as jnp, jamp
@@ -46,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jamp import fp8
 from jamp.models import vit as linen_vit
 from jamp.models.sizes import VIT_SIZES as VARIANTS
 from jamp.models.sizes import parse_variant
@@ -103,12 +107,25 @@ class SelfAttention(nnx.Module):
     ``dtype`` is the compute dtype (set by the jamp policy, like the NNX layers').
     The softmax is Flax's; in modes whose softmax runs in float32 the policy runs
     it in float32 with half-precision residuals, as the linen ViT's.
+
+    The four projections (:attr:`dot_general_names`) call ``dot_general``:
+    ``None`` (``lax.dot_general``), one function for all four, or a mapping
+    from projection name to its own function. ``jamp.fp8.nnx_install`` (the fp8
+    modes) sets it: :func:`jamp.fp8.current_scaling_dot_general`, or one
+    ``jamp.fp8.DelayedScalingDot`` per projection (stacked like the parameters
+    when ``nnx.vmap`` stacks the blocks). The score and value matmuls stay in
+    the compute dtype; the parameters are the same whichever is set.
     """
 
+    dot_general_names = ("query", "key", "value", "out")
+    """The matmuls that call ``dot_general`` (see :func:`jamp.fp8.nnx_install`)."""
+
     def __init__(self, hidden_size: int, num_heads: int, dropout_rate: float = 0.0, *,
-                 dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+                 dtype: Any = None, param_dtype: Any = jnp.float32,
+                 dot_general: Callable[..., jax.Array] | None = None, rngs: nnx.Rngs):
         self.num_heads, self.dropout_rate = num_heads, dropout_rate
         self.dtype, self.param_dtype = dtype, param_dtype
+        self.dot_general = dot_general
         head_dim = hidden_size // num_heads
         init = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=0,
                                                 out_axis=(1, 2))
@@ -126,19 +143,42 @@ class SelfAttention(nnx.Module):
                                 ("heads", "kv", "embed"))
         self.out_bias = param(nn.initializers.zeros, (hidden_size,), ("embed",))
 
+    def stacked_shape(self) -> tuple[int, ...]:
+        """The leading axes ``nnx.vmap`` stacked this module along (``()`` for one layer).
+
+        Example:
+          >>> from flax import nnx
+          >>> from jamp.models import vit_nnx
+          >>> vit_nnx.SelfAttention(8, 2, rngs=nnx.Rngs(0)).stacked_shape()
+          ()
+        """
+        return tuple(self.out_bias.shape[:-1])  # out_bias is [embed] per layer
+
+    def _dot(self, name: str) -> Callable[..., jax.Array]:
+        dot = self.dot_general
+        if isinstance(dot, Mapping):
+            return dot[name]
+        if dot is not None:
+            return dot
+        return lambda a, b, dims: jax.lax.dot_general(  # as jnp.einsum calls it
+            a, b, dims, preferred_element_type=jnp.result_type(a, b))
+
     def __call__(self, x: jax.Array, deterministic: bool = True,
                  rng: jax.Array | None = None) -> jax.Array:
         names = [f"{n}_{w}" for n in ("query", "key", "value") for w in ("kernel", "bias")]
         x, *weights = nn.dtypes.promote_dtype(
             x, *[getattr(self, n).get_value() for n in names], self.out_kernel.get_value(),
             self.out_bias.get_value(), dtype=self.dtype)
-        q, k, v = (jnp.einsum("bse,ehd->bshd", x, weights[2 * i]) + weights[2 * i + 1]
-                   for i in range(3))
+        # The dots jnp.einsum makes of "bse,ehd->bshd" and "bshd,hde->bse" (the same jaxpr by
+        # default), as the linen ViT's.
+        q, k, v = [self._dot(n)(x, weights[2 * i], (((x.ndim - 1,), (0,)), ((), ())))
+                   + weights[2 * i + 1] for i, n in enumerate(("query", "key", "value"))]
         q, k, v = (nn.with_logical_constraint(t, ("batch", "seq", "heads", "kv"))
                    for t in (q, k, v))
         y = nn.dot_product_attention(q, k, v, dropout_rng=rng, dropout_rate=self.dropout_rate,
                                      deterministic=deterministic or not self.dropout_rate)
-        return jnp.einsum("bshd,hde->bse", y, weights[-2]) + weights[-1]
+        out = self._dot("out")(y, weights[-2], (((y.ndim - 1, y.ndim - 2), (1, 0)), ((), ())))
+        return out + weights[-1]
 
 
 def _layer_norm(hidden_size: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -226,13 +266,19 @@ class Encoder(nnx.Module):
             return x
         if self.layer_runner is None:
             return self._scan(self.layers, x, deterministic, rng)
-        graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
+        # The runner splits every [num_layers, ...] leaf: the params and, in mode "fp8", each
+        # layer's delayed-scaling state (whose new value it combines by max over microbatches).
+        graphdef, params, meta, rest = nnx.split(self.layers, nnx.Param, fp8.Fp8Meta, ...)
+        layer_variables = {"params": nnx.to_pure_dict(params)}
+        if jax.tree_util.tree_leaves(meta):
+            layer_variables[fp8.COLLECTION] = nnx.to_pure_dict(meta)
 
-        def apply_layers(layer_params, h, key):
-            layers = nnx.merge(graphdef, layer_params, rest)
+        def apply_layers(variables, h, key):
+            layers = nnx.merge(graphdef, variables["params"],
+                               variables.get(fp8.COLLECTION, meta), rest)
             return self._scan(layers, h, deterministic, key)
 
-        return self.layer_runner(apply_layers, nnx.to_pure_dict(params), x, rng)
+        return self.layer_runner(apply_layers, layer_variables, x, rng)
 
 
 class ViT(nnx.Module):
@@ -462,6 +508,61 @@ def to_linen(model: ViT) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the trainer's view
 
 
+def fp8_state(model: nnx.Module) -> dict[str, Any]:
+    """The model's delayed-scaling fp8 state as a plain nested dict (``{}`` if it has none).
+
+    ``jamp.apply_policy(model, "fp8")`` gives every fp8 matmul a
+    ``jamp.fp8.DelayedScalingDot`` holding six ``jamp.fp8.Fp8Meta`` variables;
+    this is their values, nested by attribute path down to one dict per matmul
+    with the six ``jamp.fp8.META_NAMES`` keys (layers stacked by the scanned
+    encoder carry the leading ``layers`` axis, as linen's collection does). It
+    is the ``fp8`` of a ``jamp.fp8.TrainState`` for the ``apply_fn`` of
+    :func:`functional`, which reads it from ``variables[jamp.fp8.COLLECTION]``.
+
+    Example:
+      >>> import jamp
+      >>> from flax import nnx
+      >>> from jamp.models import vit_nnx
+      >>> vit = lambda mode: nnx.eval_shape(lambda: jamp.apply_policy(vit_nnx.create(
+      ...     "ti", num_classes=3, image_size=4, channels=1, patch_size=2, num_layers=2,
+      ...     hidden_size=8, num_heads=2, mlp_dim=8, rngs=nnx.Rngs(0)), mode))  # shapes only
+      >>> meta = vit_nnx.fp8_state(vit("fp8"))["encoder"]["layers"]["mlp"]["fc1"]["dot_general"]
+      >>> meta["input_scale"].shape, meta["kernel_amax_history"].shape  # per layer
+      ((2, 1), (2, 1024))
+      >>> vit_nnx.fp8_state(vit("bf16"))
+      {}
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"fp8_state expects an nnx.Module, got {type(model).__name__}.")
+    return nnx.to_pure_dict(nnx.state(model, fp8.Fp8Meta))
+
+
+def _paths(tree: Any) -> dict[str, tuple[int, ...]]:
+    """``{"a/b/c": shape}`` of a nested dict's leaves (shape ``()`` for a non-array)."""
+    return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(getattr(v, "shape", ()))
+            for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_fp8(given: Any, expected: dict[str, tuple[int, ...]]) -> None:
+    """Raises a ValueError naming the entries where ``given`` is not the model's fp8 state."""
+    if not isinstance(given, Mapping):
+        raise TypeError(f"variables[{fp8.COLLECTION!r}] must be the nested dict of "
+                        f"vit_nnx.fp8_state(model), got {type(given).__name__}.")
+    got = _paths(given)
+    # Stacked layers' leading axis may be split over pipeline stages (a stage sees its share).
+    fits = lambda have, need: len(have) == len(need) and have[1:] == need[1:]
+    missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    shapes = [f"{p}: {got[p]} (needs {expected[p]})" for p in sorted(set(got) & set(expected))
+              if not fits(got[p], expected[p])]
+    if not (missing or extra or shapes):
+        return
+    raise ValueError(
+        f"variables[{fp8.COLLECTION!r}] is not this model's delayed-scaling fp8 state: "
+        f"missing {missing}, unexpected {extra}, mis-shaped {shapes}. Pass "
+        "vit_nnx.fp8_state(model) of the model functional() was given (or the fp8 of the "
+        "jamp.fp8.TrainState built from it).")
+
+
 def functional(model: nnx.Module, *, boxed: bool = False) -> tuple[ApplyFn, dict[str, Any]]:
     """``(apply_fn, params)``: the model as a linen-style function of its parameters.
 
@@ -472,43 +573,65 @@ def functional(model: nnx.Module, *, boxed: bool = False) -> tuple[ApplyFn, dict
     linen. It is ``nnx.merge`` of the model's graph with ``params``: under ``jit``
     it traces to the same program as calling the model.
 
+    A model under mode ``"fp8"`` (delayed scaling) also reads its fp8 state from
+    ``variables[jamp.fp8.COLLECTION]`` (:func:`fp8_state` gives the initial one),
+    as the linen ViT does: the passed values, not the model's own, feed its
+    ``jamp.fp8.Fp8Meta`` variables, so the gradient of that entry is the new
+    state (``jamp.fp8.as_meta`` values included). Train it as linen's, with a
+    ``jamp.fp8.TrainState(..., fp8=fp8_state(model))`` and ``jamp.train_step``.
+
     Args:
-      model: an ``nnx.Module`` whose only state is ``nnx.Param`` (the ViT).
+      model: an ``nnx.Module`` whose only state is ``nnx.Param`` and
+        ``jamp.fp8.Fp8Meta`` (the ViT).
       boxed: wrap each parameter in ``flax.linen.LogicallyPartitioned`` with its
         logical axis names, as linen's ``init`` returns them, so
         ``nn.get_partition_spec`` of a train state built from them gives the
         parameters' and optimizer states' logical specs (``nn.unbox`` them
-        before stepping).
+        before stepping). The fp8 state is never boxed (replicated, as linen's).
 
     Raises:
-      ValueError: if the model holds state other than ``nnx.Param`` (batch
-        statistics, ``nnx.Rngs``): ``apply_fn`` would drop its updates.
+      ValueError: if the model holds other state (batch statistics,
+        ``nnx.Rngs``): ``apply_fn`` would drop its updates. ``apply_fn`` raises
+        one if the fp8 state is missing or not the model's.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jamp
       >>> from flax import nnx
       >>> from flax.training import train_state
       >>> from jamp.models import vit_nnx
-      >>> model = jamp.apply_policy(vit_nnx.create(
+      >>> vit = lambda mode: jamp.apply_policy(vit_nnx.create(
       ...     "ti", num_classes=3, image_size=4, channels=1, patch_size=2, num_layers=1,
-      ...     hidden_size=8, num_heads=2, mlp_dim=8, rngs=nnx.Rngs(0)), "fp16")
-      >>> apply_fn, params = vit_nnx.functional(model)
+      ...     hidden_size=8, num_heads=2, mlp_dim=8, rngs=nnx.Rngs(0)), mode)
+      >>> apply_fn, params = vit_nnx.functional(vit("fp16"))
       >>> state = train_state.TrainState.create(
       ...     apply_fn=apply_fn, params=params, tx=jamp.make_optimizer("fp16", optax.sgd(0.1)))
       >>> batch = {"image": jnp.ones((2, 4, 4, 1)), "label": jnp.array([0, 1])}
       >>> state, metrics = jax.jit(jamp.train_step)(state, batch, jax.random.key(1))
       >>> float(metrics["loss_scale"]), params["encoder"]["layers"]["mlp"]["fc1"]["kernel"].shape
       (65536.0, (1, 8, 8))
+
+      Mode ``"fp8"``: the delayed-scaling state trains beside the parameters (traced
+      here for its shapes only; ``jax.jit`` runs it).
+
+      >>> model = vit("fp8")
+      >>> apply_fn, params = vit_nnx.functional(model)
+      >>> state = jamp.fp8.TrainState.create(apply_fn=apply_fn, params=params,
+      ...     tx=jamp.make_optimizer("fp8", optax.sgd(0.1)), fp8=vit_nnx.fp8_state(model))
+      >>> new, _ = jax.eval_shape(jamp.train_step, state, batch, jax.random.key(1))
+      >>> new.fp8["encoder"]["layers"]["mlp"]["fc1"]["dot_general"]["input_amax_history"]
+      ShapeDtypeStruct(shape=(1, 1024), dtype=float32)
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"functional expects an nnx.Module, got {type(model).__name__}.")
-    graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, state, meta, rest = nnx.split(model, nnx.Param, fp8.Fp8Meta, ...)
     if jax.tree_util.tree_leaves(rest):
         kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(rest)})
-        raise ValueError(f"functional() needs a model whose only state is nnx.Param; this one "
-                         f"also holds {kinds}, whose updates apply_fn would drop. Use "
-                         "nnx.split/nnx.merge and return the new state from your step.")
+        raise ValueError(f"functional() needs a model whose only state is nnx.Param (and "
+                         f"jamp.fp8.Fp8Meta); this one also holds {kinds}, whose updates "
+                         "apply_fn would drop. Use nnx.split/nnx.merge and return the new "
+                         "state from your step.")
     params = nnx.to_pure_dict(state)
+    meta_shapes = _paths(nnx.to_pure_dict(meta))
     if boxed:
         names = {path: tuple(v.get_metadata().get("out_sharding") or (None,) * v.ndim)
                  for path, v in nnx.to_flat_state(state)}
@@ -520,7 +643,17 @@ def functional(model: nnx.Module, *, boxed: bool = False) -> tuple[ApplyFn, dict
                  rngs: Mapping[str, jax.Array] | jax.Array | None = None) -> jax.Array:
         if isinstance(rngs, Mapping):
             rngs = rngs.get("dropout")
-        inner = nnx.merge(graphdef, nn.unbox(variables["params"]), rest)
+        given = variables.get(fp8.COLLECTION, {})
+        if meta_shapes and fp8.COLLECTION not in variables:
+            raise ValueError(
+                f"This NNX model runs delayed-scaling fp8 matmuls (mode 'fp8') and reads their "
+                f"state from variables[{fp8.COLLECTION!r}], which is missing: pass "
+                f"{{'params': params, jamp.fp8.COLLECTION: vit_nnx.fp8_state(model)}} (a "
+                "jamp.fp8.TrainState holds it as .fp8; jamp.train_step and jamp.eval_step "
+                "pass it), or use mode 'fp8_current', which keeps no state.")
+        if meta_shapes or not isinstance(given, Mapping) or given:
+            _check_fp8(given, meta_shapes)
+        inner = nnx.merge(graphdef, nn.unbox(variables["params"]), given, rest)
         return inner(images, train=train, rngs=rngs)
 
     return apply_fn, params
