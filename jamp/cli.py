@@ -132,7 +132,8 @@ def help_text(config: ConfigDict | None = None, source: str = "configs/vit_fp16.
     for key, value in _flat(config):
         lines += _item(f"--config.{key}={value!r}", FIELD_HELP.get(key, ""))
     lines += ["", "exit status: 0 finished (or had finished before); 2 config, flag, data, "
-              "workdir or checkpoint error (nothing written); 3 loss scale diverged."]
+              "workdir or checkpoint error (nothing written); 3 diverged (the loss scale, or a "
+              "NaN/inf loss in a mode without one)."]
     return "\n".join(lines)
 
 

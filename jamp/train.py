@@ -159,6 +159,7 @@ class _Run:
     workdir: str
     start: int = 0
     diverged_at: int | None = None  # the step the divergence guard stopped the run at
+    non_finite_at: int | None = None  # first step whose loss was NaN/inf (no loss scale)
 
 
 class _Throughput:
@@ -189,6 +190,16 @@ def _run_meta(exp: Experiment) -> dict[str, Any]:
             "framework": c.framework, "patch_size": c.patch_size, "image_size": c.image_size,
             "batch_size": c.batch_size, "seed": c.seed, "optimizer": c.optimizer,
             **model_dims(c)}
+
+
+class NonFiniteLossError(LossScaleDivergedError):
+    """The train loss became NaN/inf in a mode whose loss scale skips nothing (kind 'none').
+
+    bf16, fp32 and fp8 apply every update, so a non-finite loss (and gradient) has
+    made the parameters non-finite: the trainer stops at the next log or checkpoint
+    step, keeps no checkpoint from after it, and exits with status 3 like a diverged
+    loss scale (it is one: ``except LossScaleDivergedError`` catches both).
+    """
 
 
 class UnsafeModeWarning(UserWarning):
@@ -283,7 +294,8 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
         the fix, before anything is written to ``workdir``.
       LossScaleDivergedError: the divergence guard stopped the run; ``summary.json``
         (outcome ``"diverged"``, the step, the loss-scale history) and the plot are
-        written first.
+        written first. Its subclass :class:`NonFiniteLossError`: the loss went NaN/inf
+        in a mode without loss scaling (``non_finite_at_step`` in the summary).
 
     Example: ``train_and_evaluate(vit_config("fp16"), "runs/vit_fp16")["test_accuracy"]``
     trains the embedded digits (about a minute on 2 CPU cores); the notebook
@@ -338,7 +350,8 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
         os.replace(path + ".tmp", path)
         print(format_summary(summary, memory), flush=True)
     if run.diverged_at is not None:
-        raise LossScaleDivergedError(summary["message"])
+        error = LossScaleDivergedError if run.non_finite_at is None else NonFiniteLossError
+        raise error(summary["message"])
     return summary
 
 
@@ -395,6 +408,10 @@ def _loop(run: _Run, state: train_state.TrainState
             pending = []
             if run.diverged_at is not None:
                 break
+        if done % config.checkpoint_every_steps == 0 and pending:
+            _check_finite(run, done, jax.device_get(pending))  # before saving this state
+            if run.diverged_at is not None:
+                break
         epoch, rest = divmod(done, exp.steps_per_epoch)
         if not rest and epoch % config.eval_every_epochs == 0:
             last_eval = evaluate(exp, state, run.eval_step)
@@ -421,6 +438,17 @@ def _log(run: _Run, done: int, fetched: list[dict[str, Any]], rate: float | None
     run.progress.update(len(fetched))
     if any(bool(m["diverged"]) for m in fetched):
         run.diverged_at = done
+    _check_finite(run, done, fetched)
+
+
+def _check_finite(run: _Run, done: int, fetched: list[dict[str, Any]]) -> None:
+    """Stops a run whose loss went NaN/inf where no loss scale skips the step (mode bf16...)."""
+    if run.exp.precision.loss_scale.kind != "none" or run.diverged_at is not None:
+        return
+    bad = [i for i, m in enumerate(fetched) if not np.isfinite(float(m["loss"]))]
+    if bad:
+        run.non_finite_at = done - len(fetched) + bad[0] + 1
+        run.diverged_at = done
 
 
 def _diverged(run: _Run, state: train_state.TrainState, last_eval: dict[str, float],
@@ -438,6 +466,18 @@ def _diverged(run: _Run, state: train_state.TrainState, last_eval: dict[str, flo
     else:
         where = (f"No checkpoint was written (the first was due at step "
                  f"{exp.config.checkpoint_every_steps}), so a rerun starts from step 0.")
+    if run.non_finite_at is not None:
+        bad, mode = run.non_finite_at, exp.precision.name
+        message = (
+            f"Training stopped at step {done}: the train loss became non-finite (NaN/inf) at "
+            f"step {bad}. Mode {mode} has no loss scale that skips such steps, so that update "
+            "made the parameters non-finite. Lower --config.learning_rate, check the input "
+            "data, or add a scale that skips them: --config.loss_scale.kind=dynamic. "
+            f"{where} The losses are in {os.path.join(run.workdir, 'metrics.jsonl')}.")
+        evals = [r["step"] for r in read_metrics(run.workdir) if "eval/accuracy" in r]
+        return {**summary, "evaluated_at_step": evals[-1] if evals else None,
+                "non_finite_at_step": bad, "checkpoint_step": saved[-1] if saved else None,
+                "message": message}
     message = (
         f"Training stopped at step {done}: the loss scale sits at its minimum "
         f"({summary['final_loss_scale']:g}) and the gradients have overflowed for "

@@ -275,6 +275,41 @@ def test_divergence_guard_stops_and_leaves_summary_plot_and_json(tmp_path, monke
     assert "NaN or Inf" not in caplog.text + "".join(capfd.readouterr())
 
 
+def test_nan_loss_without_a_loss_scale_stops_before_saving_a_poisoned_checkpoint(
+        tmp_path, monkeypatch):
+    """bf16 applies every update: a NaN batch at step 8 makes the parameters NaN. The run
+    stops at step 8 (a checkpoint step) without saving it, naming step 4's checkpoint."""
+    import jax.numpy as jnp
+
+    from jamp import train
+    from jamp.loss_scale import LossScaleDivergedError
+
+    real_jit = train.jit_train_step
+
+    def poisoned(*args):
+        step, calls = real_jit(*args), []
+
+        def run(state, batch, rng):
+            calls.append(1)
+            if len(calls) == 8:
+                batch = {**batch, "image": jnp.full_like(batch["image"], jnp.nan)}
+            return step(state, batch, rng)
+        return run
+
+    monkeypatch.setattr(train, "jit_train_step", poisoned)
+    config = _tiny_config("bf16", max_steps=20, checkpoint_every_steps=4, plot=False)
+    with pytest.raises(train.NonFiniteLossError, match="non-finite .* at step 8") as e:
+        train.train_and_evaluate(config, tmp_path)
+    assert isinstance(e.value, LossScaleDivergedError)  # exit status 3, like a diverged scale
+    assert "newest checkpoint (step 4" in str(e.value)
+    summary = _strict_json((tmp_path / "summary.json").read_text())
+    assert summary["outcome"] == "diverged" and summary["non_finite_at_step"] == 8
+    assert summary["steps"] == 8 and summary["checkpoint_step"] == 4
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]  # step 8's state not saved
+    rows = [_strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [5]  # finite; 6-8 never logged
+
+
 class _Iterable:
     def __init__(self, fn, args, kwargs):
         self.fn, self.args, self.kwargs = fn, args, kwargs
