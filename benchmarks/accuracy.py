@@ -17,6 +17,7 @@ Usage::
 from __future__ import annotations
 
 import ast
+import json
 import shutil
 import tempfile
 import time
@@ -87,6 +88,8 @@ def diverged_row(mode: str, workdir: Path, message: str, wall_s: float) -> dict[
     last = train[-1] if train else {}
     rates = [r["train/images_per_sec"] for r in train
              if isinstance(r.get("train/images_per_sec"), float) and r["train/images_per_sec"] > 0]
+    summary_path = workdir / "summary.json"  # written before the trainer raises
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return dict(mode=jamp.mixed_precision(mode).name,
                 status="diverged: " + message.split(":")[0].strip(),
                 test_accuracy=evals[-1]["eval/accuracy"] if evals else None,
@@ -94,7 +97,7 @@ def diverged_row(mode: str, workdir: Path, message: str, wall_s: float) -> dict[
                 images_per_sec=sorted(rates)[len(rates) // 2] if rates else None,
                 steps=last.get("step", 0), steps_skipped=last.get("train/steps_skipped", 0),
                 final_loss_scale=last.get("train/loss_scale", float("nan")),
-                wall_s=wall_s, plot=None)
+                wall_s=wall_s, plot=None, seed=summary.get("seed"), commit=summary.get("commit"))
 
 
 def _commits(rows: list[dict[str, Any]]) -> str:

@@ -185,8 +185,10 @@ def test_accuracy_records_a_diverged_run(tmp_path):
                {"step": 30, "train/loss": float("nan"), "train/loss_scale": 1.0,
                 "train/steps_skipped": 13, "train/images_per_sec": 700.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "summary.json").write_text(json.dumps({"seed": 3, "commit": "abc1234"}))
     row = accuracy.diverged_row("O3", tmp_path, "Training stopped at step 30: ...", 1.0)
     assert row["mode"] == "fp16_pure" and row["status"] == "diverged: Training stopped at step 30"
+    assert (row["seed"], row["commit"]) == (3, "abc1234")  # reproducible like the others
     assert (row["steps"], row["steps_skipped"], row["test_accuracy"]) == (30, 13, 0.25)
     assert common.accuracy_cells(row, [row]) == ("25.00%", "—")
 
