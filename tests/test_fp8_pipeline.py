@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 from jamp import data, experiment, fp8, parallel, train
@@ -163,13 +165,11 @@ def test_a_skipped_step_leaves_the_pipelined_fp8_state_unchanged(runs):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_bubble_ticks_do_not_enter_the_amax():
-    """A stage whose fp8 input is large only on the pipeline's filler zeros."""
-    stages, microbatches = 2, 3
+def _front_of_new_history(stages: int, microbatches: int, x: jax.Array) -> np.ndarray:
+    """The new input amax of each stage's fp8 matmul, whose input is large on filler zeros."""
     meta = fp8.init_meta(2)
-    stacked = jax.tree_util.tree_map(lambda x: jnp.stack([x] * stages), meta)
+    stacked = jax.tree_util.tree_map(lambda v: jnp.stack([v] * stages), meta)
     kernel = jnp.ones((stages, 4, 4), jnp.bfloat16)
-    x = 3.0 + jnp.arange(24.0).reshape(6, 4)  # |x| >= 3: the fp8 input 8 / (1 + x^2) < 1
 
     def stage(variables, h, microbatch):
         del microbatch
@@ -185,10 +185,27 @@ def test_bubble_ticks_do_not_enter_the_amax():
 
     with jax.set_mesh(parallel.make_mesh({"data": 1, "model": 1, "pipe": stages})):
         new = jax.jit(jax.grad(loss))(stacked)
-    front = np.asarray(new["input_amax_history"])[:, 0]
+    return np.asarray(new["input_amax_history"])[:, 0]
+
+
+def test_bubble_ticks_do_not_enter_the_amax():
+    """Filler zeros would give 8 / (1 + 0) = 8; the real inputs (|x| >= 3) less than 1."""
+    x = 3.0 + jnp.arange(24.0).reshape(6, 4)
     real = float(jnp.max(8.0 / (1.0 + x * x)))
-    # Filler zeros would give 8 / (1 + 0) = 8.
-    np.testing.assert_allclose(front, [real, real], rtol=1e-2)
+    np.testing.assert_allclose(_front_of_new_history(2, 3, x), [real, real], rtol=1e-2)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(stages=st.sampled_from([1, 2, 4]), microbatches=st.integers(1, 4),
+       per_microbatch=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_every_stage_takes_the_max_over_real_microbatches_only(stages, microbatches,
+                                                                per_microbatch, seed):
+    """Any schedule: each stage's new amax is the max over the whole batch (the stages see
+    the same activations here), however many bubble ticks surround the real ones."""
+    x = 3.0 + 5.0 * jax.random.uniform(jax.random.key(seed), (microbatches * per_microbatch, 4))
+    real = float(jnp.max((8.0 / (1.0 + x * x)).astype(jnp.bfloat16).astype(jnp.float32)))
+    np.testing.assert_allclose(_front_of_new_history(stages, microbatches, x),
+                               [real] * stages, rtol=1e-6)
 
 
 def test_nnx_pipelined_fp8_trains_like_linen_on_one_device(runs, nnx_piped):
