@@ -148,8 +148,10 @@ def _configure(module: nn.Module, mp: MixedPrecision, policy: Policy) -> bool:
     ):
         _set_field(module, "attention_fn", attention.dot_product_attention)
     _set_field(module, "softmax_fp32", mp.softmax_fp32)
-    # fp8 matmuls where no override applies
+    # fp8 matmuls where no override applies; an nn.RNN shares its cell's state over steps
     in_fp8 = mp.fp8 is not None and policy is mp.policy and fp8.linen_install(module, mp.fp8)
+    if mp.fp8 is not None:
+        fp8.linen_share_over_steps(module, mp.fp8)
     # An instance attribute shadows Module.param for this bound clone only.
     object.__setattr__(module, "param", _policy_param(module, policy))
     return in_fp8

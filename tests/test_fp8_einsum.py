@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -235,3 +236,35 @@ def test_nnx_attention_delayed_state_updates_per_projection():
     assert [float(hist[n][0]) for n in ("query", "key", "value")] == [amax] * 3
     assert 0 < float(hist["out"][0]) != amax  # its own state: the attention output's amax
     assert all(np.all(h[1:] == 0) for h in hist.values())
+
+
+class _Recurrent(nn.Module):
+    """A third-party-style sequence classifier: nn.RNN(LSTMCell) -> attention -> head."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        del train
+        y = nn.RNN(nn.LSTMCell(8))(x)
+        y = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)(y)
+        return nn.Dense(3, name="head")(y.mean(1))
+
+
+def test_linen_rnn_shares_its_cells_fp8_state_over_the_time_steps():
+    """nn.RNN scans its cell; the cell's delayed state is broadcast over the steps, so its new
+    input amax is the max over all steps (a per-step sum would be ~5x)."""
+    x = jax.random.normal(jax.random.key(3), (4, 5, 6))
+    model = jamp.apply_policy(_Recurrent(), DELAYED)
+    v = jax.jit(model.init)(jax.random.key(0), x)
+    meta = v[fp8.COLLECTION]["LSTMCell_0"]["ii"]["Fp8DirectDotGeneralOp_0"]
+    assert meta["input_amax_history"].shape == (HIST,)  # one state, not one per step
+    tx = jamp.make_optimizer(DELAYED, optax.sgd(0.1))
+    state = fp8.TrainState.create(apply_fn=model.apply, params=v["params"], tx=tx,
+                                  fp8=v[fp8.COLLECTION])
+    batch = {"image": x, "label": jnp.arange(4) % 3}
+    new, metrics = jax.jit(jamp.train_step)(state, batch, jax.random.key(1))
+    assert np.isfinite(float(metrics["loss"]))
+    hist = new.fp8["LSTMCell_0"]["ii"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
+    assert float(hist[0]) == float(jnp.abs(x.astype(jnp.bfloat16)).max())
+    assert len(jax.tree_util.tree_leaves(new.fp8)) == (8 + 4) * 6  # 8 LSTM + 4 MHA matmuls
+    assert not jax.tree_util.tree_leaves(jax.jit(jamp.apply_policy(_Recurrent(), CURRENT).init)(
+        jax.random.key(0), x).get(fp8.COLLECTION, {}))
