@@ -64,9 +64,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import flax.errors
@@ -939,6 +940,40 @@ def follow_loss_scale(state: TrainState, ratio: jax.Array) -> TrainState:
     return state.replace(fp8=rescale(state.fp8), fp8_pending=rescale(state.fp8_pending))
 
 
+@contextlib.contextmanager
+def nnx_max_combined(model: nnx.Module) -> Iterator[nnx.Module]:
+    """Within it, ``model``'s :class:`Fp8Meta` values are flax ``fm32``: every use combines by max.
+
+    :func:`as_meta` for an NNX model, in place and undone on exit (the model's
+    state stays float32 outside). Use it inside the function you differentiate,
+    around the forward pass, before any ``nnx.scan``/``nnx.RNN`` captures the
+    state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> from flax import nnx
+      >>> layer = nnx.Linear(3, 3, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+      >>> jamp.fp8.nnx_install(layer, jamp.fp8.Fp8Recipe("delayed", amax_history_length=2))
+      True
+      >>> def loss(m):  # two uses of one matmul: inputs of amax 1 and 3
+      ...     with jamp.fp8.nnx_max_combined(m):
+      ...         return (m(jnp.ones((1, 3))) + m(jnp.full((1, 3), 3.0))).astype(jnp.float32).sum()
+      >>> grads = nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, jamp.fp8.PARAMS_AND_META)))(layer)
+      >>> _ = jamp.fp8.nnx_commit(layer, grads)
+      >>> float(layer.dot_general.input_amax_history[0])  # the max, not the sum (4.0)
+      3.0
+    """
+    metas = [v for _, v in nnx.iter_graph(model) if isinstance(v, Fp8Meta)]
+    for meta in metas:
+        if meta.get_value().dtype != fp8_ops.fm32:
+            meta.set_value(jax.lax.convert_element_type(meta.get_value(), fp8_ops.fm32))
+    try:
+        yield model
+    finally:
+        for meta in metas:
+            meta.set_value(jax.lax.convert_element_type(meta.get_value(), jnp.float32))
+
+
 def nnx_commit(model: nnx.Module, grads: nnx.State, applied: jax.Array | bool = True
                ) -> nnx.State:
     """Writes the :class:`Fp8Meta` gradients into ``model`` when ``applied``; returns the Params'.
@@ -947,12 +982,12 @@ def nnx_commit(model: nnx.Module, grads: nnx.State, applied: jax.Array | bool = 
     parameter gradients to the optimizer, and pass ``applied`` (the loss
     scale's ``last_finite`` after the update) to keep a skipped step's state.
 
-    Limitation: here the state is differentiated as float32, so a matmul used
-    several times in one step (an ``nnx.RNN`` cell scanned over time steps, a
-    layer called twice) gets the *sum* of its uses' amaxes (measured: an
-    ``nnx.RNN`` of 5 steps recorded 13.3 where the input's amax is 3.2). The
-    trainer's path (``jamp.train_step`` on a :class:`TrainState`, values made
-    ``fm32`` by :func:`as_meta` before the model runs) combines by max.
+    Run the model inside :func:`nnx_max_combined` in the differentiated
+    function: a matmul used several times in one step (an ``nnx.RNN`` cell
+    scanned over the time steps, a layer called twice) then keeps the max of
+    its uses' amaxes. Without it the float32 state's gradients add up
+    (measured: an ``nnx.RNN`` of 5 steps recorded 13.3 where the input's amax
+    is 3.2).
 
     Example:
       >>> import jax.numpy as jnp, jamp

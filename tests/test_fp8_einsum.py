@@ -3,6 +3,7 @@ dot dtypes from the jaxprs, delayed state per matmul, param trees unchanged."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -268,3 +269,32 @@ def test_linen_rnn_shares_its_cells_fp8_state_over_the_time_steps():
     assert len(jax.tree_util.tree_leaves(new.fp8)) == (8 + 4) * 6  # 8 LSTM + 4 MHA matmuls
     assert not jax.tree_util.tree_leaves(jax.jit(jamp.apply_policy(_Recurrent(), CURRENT).init)(
         jax.random.key(0), x).get(fp8.COLLECTION, {}))
+
+
+class _NnxRecurrent(nnx.Module):
+    def __init__(self, rngs):
+        self.rnn = nnx.RNN(nnx.LSTMCell(6, 8, rngs=rngs))
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.rnn(x).mean(1))
+
+
+@pytest.mark.parametrize("max_combined", [True, False])
+def test_nnx_own_loop_rnn_takes_the_max_over_steps_inside_nnx_max_combined(max_combined):
+    x = jax.random.normal(jax.random.key(3), (4, 5, 6))
+    model = jamp.apply_policy(_NnxRecurrent(nnx.Rngs(0)), DELAYED)
+
+    def loss(m):
+        with fp8.nnx_max_combined(m) if max_combined else contextlib.nullcontext():
+            return m(x).astype(jnp.float32).sum()
+
+    grads = nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, fp8.PARAMS_AND_META)))(model)
+    fp8.nnx_commit(model, grads)
+    first = float(model.rnn.cell.ii.dot_general.input_amax_history[...][0])
+    amax = float(jnp.abs(x.astype(jnp.bfloat16)).max())
+    if max_combined:
+        assert first == amax
+        assert model.rnn.cell.ii.dot_general.input_scale[...].dtype == jnp.float32  # undone
+    else:  # float32 state: the 5 steps' amaxes add up
+        assert first > 3 * amax
