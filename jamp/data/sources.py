@@ -67,7 +67,7 @@ class DatasetNotFoundError(FileNotFoundError):
       >>> try:
       ...     get_dataset_info("cifar10", "/tmp/empty")
       ... except DatasetNotFoundError as e:
-      ...     print("tfds build cifar10" in str(e))  # names the directory and the fix
+      ...     print("python -m jamp.data.prepare cifar10" in str(e))  # names the fix
       True
     """
 
@@ -221,12 +221,31 @@ def _prepared_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
 
 
 def _prepare_hint(name: str, data_dir: str) -> str:
+    from jamp.data import prepare  # prepare imports this module.
+
+    base = name.split(":")[0].split("/")[0]
+    manual = " --manual_dir DIR" if base == "imagenet2012" else ""
+    tfds_build = f"tfds build {name} --data_dir {data_dir}{manual} --file_format=array_record"
+    if base in prepare.DATASETS:
+        how = (
+            f"To prepare it, run `{prepare.prepare_command(base, data_dir)}`"
+            + (
+                f" with DIR holding {' and '.join(prepare.IMAGENET_ARCHIVES)}, downloaded by "
+                "hand from https://image-net.org/download-images (login required)"
+                if base == "imagenet2012"
+                else " (it downloads the archive)"
+            )
+            + f"; where TensorFlow is installed, `{tfds_build}` does the same."
+        )
+    else:
+        how = (
+            f"To prepare it, run `{tfds_build}` (the tfds command needs TensorFlow: "
+            "`pip install tensorflow-cpu`), or on another machine with a --data_dir of your "
+            f"choice, then copy its {base}/ folder into {data_dir}."
+        )
     return (
-        f"To prepare it, on a machine with network access run `tfds build {name} "
-        f"--data_dir {data_dir} --file_format=array_record` (or with a --data_dir of "
-        f"your choice, then copy its {name.split(':')[0].split('/')[0]}/ folder into "
-        f"{data_dir}), or point jamp at an existing TFDS data_dir with "
-        "--config.data_dir (or $TFDS_DATA_DIR). jamp never downloads at run time."
+        f"{how} Or point jamp at an existing TFDS data_dir with --config.data_dir (or "
+        "$TFDS_DATA_DIR). jamp never downloads at run time."
     )
 
 
@@ -254,11 +273,20 @@ def _not_prepared_message(name: str, data_dir: str, version_dir: epath.Path) -> 
 
 
 def _no_random_access_message(name: str, version_dir: epath.Path, formats: set[Any]) -> str:
+    from jamp.data import prepare  # prepare imports this module.
+
     kinds = ", ".join(sorted(f.value for f in formats)) or "unknown"
+    base = name.split(":")[0].split("/")[0]
+    fresh = (
+        f"prepare a fresh copy in another data_dir with "
+        f"`{prepare.prepare_command(base, 'NEW_DIR')}`"
+        if base in prepare.DATASETS
+        else f"rebuild it with `tfds build {name} --file_format=array_record`"
+    )
     return (
         f"Dataset {name!r} in {version_dir} is prepared as {kinds}, but jamp reads it with "
-        "grain, which needs random access: it must be array_record. Convert it in place "
-        "(on a machine with tensorflow installed) with `tfds convert_format "
-        f"--dataset_version_dir={version_dir} --out_file_format=array_record`, or rebuild "
-        f"it with `tfds build {name} --file_format=array_record`."
+        "grain, which needs random access: it must be array_record. Either "
+        f"{fresh}, or convert it in place where TensorFlow is installed (`pip install "
+        f"tensorflow-cpu`) with `tfds convert_format --dataset_version_dir={version_dir} "
+        "--out_file_format=array_record`."
     )
