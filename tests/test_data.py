@@ -388,6 +388,21 @@ def test_tfrecord_only_dataset_is_refused(mnist_dir, tmp_path):
     assert "convert_format" in str(e.value) and str(version_dir) in str(e.value)
 
 
+def test_tfrecord_only_preparable_dataset_names_jamp_prepare(tmp_path):
+    version_dir = tmp_path / "cifar10" / "3.0.2"
+    version_dir.mkdir(parents=True)
+    builder = tfds.builder("cifar10", data_dir=tmp_path, file_format="tfrecord")
+    builder.info.write_to_directory(version_dir)
+    with pytest.raises(data.DatasetNotFoundError, match="array_record") as e:
+        data.get_dataset_info("cifar10", tmp_path)
+    assert "`python -m jamp.data.prepare cifar10 --data_dir NEW_DIR`" in str(e.value)
+    assert "convert_format" in str(e.value)
+    from jamp.data import prepare
+
+    with pytest.raises(prepare.PrepareError, match="holds cifar10 as tfrecord"):
+        prepare.prepare_dataset("cifar10", tmp_path)
+
+
 def test_unknown_dataset(tmp_path):
     with pytest.raises(data.DatasetNotFoundError, match="Unknown dataset 'mnsit'") as e:
         data.get_dataset_info("mnsit", tmp_path)
@@ -400,6 +415,7 @@ def test_not_prepared_dataset(tmp_path):
         data.get_dataset_info("cifar10", tmp_path)
     message = str(e.value)
     assert str(tmp_path) in message and "tfds build cifar10" in message
+    assert f"`python -m jamp.data.prepare cifar10 --data_dir {tmp_path}`" in message
     assert "array_record" in message and not list(tmp_path.iterdir())  # Nothing written.
 
 

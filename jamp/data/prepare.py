@@ -145,10 +145,10 @@ def prepare_dataset(
     data_dir = resolve_data_dir(name, data_dir)
     manual_dir = os.fspath(manual_dir or os.path.join(data_dir, "downloads", "manual"))
     with _tfds_code_path():
-        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+        builder = tfds.builder(name, data_dir=data_dir)
     version_dir = epath.Path(builder.data_dir)
     if (version_dir / "dataset_info.json").exists():
-        formats = tfds.builder(name, data_dir=data_dir).info.available_file_formats()
+        formats = builder.info.available_file_formats()
         if tfds.core.FileFormat.ARRAY_RECORD not in formats:
             raise PrepareError(
                 f"{version_dir} already holds {name} as "
@@ -157,6 +157,8 @@ def prepare_dataset(
                 "folder away."
             )
         return os.fspath(version_dir)
+    with _tfds_code_path():
+        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
     if name == "imagenet2012":
         paths = [os.path.join(manual_dir, f) for f in IMAGENET_ARCHIVES]
         if not all(os.path.isfile(p) for p in paths):
