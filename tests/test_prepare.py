@@ -3,12 +3,15 @@ without TensorFlow, then read back through jamp's data pipeline."""
 
 from __future__ import annotations
 
+import functools
+import http.server
 import io
 import os
 import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import zipfile
 
 import numpy as np
@@ -119,6 +122,34 @@ def test_prepare_cifar10_command(tmp_path):
     # Prepared: a rerun only returns the directory.
     os.remove(manual_dir / "cifar-10-binary.tar.gz")
     assert prepare.prepare_dataset("cifar10", data_dir) == str(data_dir / "cifar10" / "3.0.2")
+
+
+def test_prepare_cifar10_downloads(tmp_path, monkeypatch):
+    """Without the archive in the manual_dir, tfds' download manager fetches it (here from
+    a local HTTP server) into <data_dir>/downloads."""
+    served = tmp_path / "served"
+    served.mkdir()
+    records = _cifar_archive(served / "cifar-10-binary.tar.gz", np.random.default_rng(3))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.undo()  # Network back, for 127.0.0.1 only.
+    monkeypatch.setattr(prepare, "_URLS", {
+        **prepare._URLS,
+        "cifar10": f"http://127.0.0.1:{server.server_port}/cifar-10-binary.tar.gz"})
+    try:
+        data_dir = tmp_path / "tfds"
+        assert prepare.main(["cifar10", "--data_dir", str(data_dir)]) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    downloaded = list((data_dir / "downloads").rglob("*cifar-10-binary*.tar.gz"))
+    assert [p.read_bytes() for p in downloaded] == [
+        (served / "cifar-10-binary.tar.gz").read_bytes()]
+    info = data.get_dataset_info("cifar10", data_dir)
+    source = data.open_source(info, "test", data_dir)
+    image, label = records[source[0]["id"].decode()]
+    np.testing.assert_array_equal(source[0]["image"], image)
 
 
 def test_cifar10_without_network(tmp_path, capsys):

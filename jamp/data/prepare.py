@@ -230,21 +230,24 @@ def _archive(name: str, builder: Any, data_dir: str, manual_dir: str) -> str:
     manual = os.path.join(manual_dir, filename)
     if os.path.isfile(manual):
         return manual
-    host = urllib.parse.urlparse(url).hostname
+    parsed = urllib.parse.urlparse(url)
+    host = parsed.hostname
     try:
-        socket.create_connection((host, 443), timeout=10).close()
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        socket.create_connection((host, port), timeout=10).close()
     except OSError as e:
         raise PrepareError(
             f"Cannot download {name}: no network ({host}: {e}). On a machine with network "
             f"access download {url} and put it at {manual} (or pass --manual_dir), then rerun "
             f"{prepare_command(name, data_dir)}."
         ) from None
-    manager = tfds.download.DownloadManager(
-        download_dir=os.path.join(data_dir, "downloads"),
-        url_infos=type(builder).url_infos,
-        dataset_name=name,
-    )
     try:
+        with _tfds_code_path():
+            url_infos = type(builder).url_infos
+        manager = tfds.download.DownloadManager(
+            download_dir=os.path.join(data_dir, "downloads"), url_infos=url_infos,
+            dataset_name=name,
+        )
         return os.fspath(manager.download(url))
     except Exception as e:  # requests' and tfds' download and checksum errors
         raise PrepareError(
