@@ -71,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -79,8 +79,10 @@ import numpy as np
 from jax.extend import core as jex
 
 from jamp import attention
-from jamp.fp8 import COLLECTION, Fp8Recipe, current_scaling_dot_general
 from jamp.policy import MixedPrecision, PolicyLike, to_mixed_precision
+
+if TYPE_CHECKING:
+    from jamp.fp8 import Fp8Recipe
 
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _DOTS = frozenset({"dot_general", "conv_general_dilated"})
@@ -173,15 +175,7 @@ def _check_fp8(recipe: Fp8Recipe | None) -> None:
     """Refuses what autocast cannot do with an fp8 recipe, naming the fix."""
     if recipe is None:
         return
-    if recipe.scaling == "delayed":
-        raise ValueError(
-            "jamp.autocast with delayed-scaling fp8 (mode 'fp8'/'fp8_delayed', "
-            "Fp8Recipe(scaling='delayed')): delayed scaling keeps an amax history per matmul "
-            "from step to step, and autocast is a stateless function transform with nowhere "
-            "to keep it. Use mode 'fp8_current' with jamp.autocast (current scaling, no "
-            "state), or apply mode 'fp8' to a Flax linen/NNX model with jamp.apply_policy, "
-            f"whose state lives in the {COLLECTION!r} collection (jamp.fp8.COLLECTION, "
-            "linen) or in jamp.fp8.Fp8Meta variables (NNX).")
+    recipe.strategy.autocast_dot_general()  # delayed scaling: a ValueError naming the fix
     extra = [n for n in recipe.keep_bf16 if n != "head"]
     if extra:
         raise ValueError(
@@ -357,10 +351,11 @@ def _dot(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
         return _as_traced(eqn, invals)
     compute = jnp.dtype(rules.compute_dtype)
     operands = [x.astype(compute) for x in invals]
-    if rules.fp8 is not None and rules.fp8.scaling == "current" and _projection(eqn):
+    if rules.fp8 is not None and _projection(eqn):  # delayed scaling was refused earlier
         dims = tuple(tuple(tuple(int(d) for d in axes) for axes in pair)
                      for pair in eqn.params["dimension_numbers"])  # hashable: a static arg
-        return [current_scaling_dot_general(*operands, dims, preferred_element_type=compute)]
+        fp8_dot = rules.fp8.strategy.autocast_dot_general()
+        return [fp8_dot(*operands, dims, preferred_element_type=compute)]
     params = dict(eqn.params, preferred_element_type=compute)
     return _bind(eqn, operands, params)
 

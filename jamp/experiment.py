@@ -38,7 +38,7 @@ from absl import flags
 from flax import nnx
 from flax.training import train_state
 
-from jamp import data, fp8, parallel
+from jamp import data, parallel
 from jamp.config import FIELD_HELP
 from jamp.flax import apply_policy
 from jamp.models import vit, vit_nnx
@@ -95,7 +95,7 @@ def precision_from_config(config: Config) -> MixedPrecision:
         raise ConfigError(f"--config.mode / --config.loss_scale: {e}") from None
     history = config.get("fp8_amax_history_length")
     if history is not None:
-        if mp.fp8 is None or mp.fp8.scaling != "delayed":
+        if mp.fp8 is None or mp.fp8.strategy.collection is None:  # no state, no history
             raise ConfigError(
                 f"--config.fp8_amax_history_length={history} is read by --config.mode=fp8 "
                 f"(delayed scaling) only, and this run's mode is {config.mode!r}: drop the "
@@ -327,6 +327,8 @@ def build_experiment(config: Config) -> Experiment:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     pipeline = pipeline_from_config(config, mesh)
+    if pipeline is not None and mp.fp8 is not None:  # e.g. fp8 state: real microbatches only
+        pipeline = dataclasses.replace(pipeline, on_tick=mp.fp8.strategy.pipeline_hook())
     validate_config(config, mesh, pipeline)
     info = data.get_dataset_info(config.dataset, config.data_dir)
     module = vit.create(config.model, num_classes=info.num_classes, patch_size=config.patch_size,
@@ -368,18 +370,20 @@ def _create_state(exp: Experiment, rng: jax.Array) -> train_state.TrainState:
                                        image_size=exp.config.image_size)
         model = apply_policy(model, exp.precision)
         _, params = vit_nnx.functional(model, boxed=True)
-        if exp.precision.fp8 is not None and exp.precision.fp8.scaling == "delayed":
-            # The model's Fp8Meta values, per layer as linen's collection, beside the params.
-            return fp8.TrainState.create(apply_fn=exp.apply_fn, params=params, tx=exp.tx,
-                                         fp8=_per_layer_axes(vit_nnx.fp8_state(model)))
-        return train_state.TrainState.create(apply_fn=exp.apply_fn, params=params, tx=exp.tx)
-    if exp.precision.fp8 is not None and exp.precision.fp8.scaling == "delayed":
-        # The delayed-scaling state rides in the train state, outside the optimizer.
-        return fp8.TrainState.create(apply_fn=exp.model.apply, params=variables["params"],
-                                     tx=exp.tx,
-                                     fp8=_per_layer_axes(variables.get(fp8.COLLECTION, {})))
-    return train_state.TrainState.create(apply_fn=exp.model.apply,
-                                         params=variables["params"], tx=exp.tx)
+        # The model's fp8 state (if any), per layer as linen's collection, beside the params.
+        extra = {} if exp.precision.fp8 is None else exp.precision.fp8.strategy.nnx_variables(model)
+        return _new_state(exp, exp.apply_fn, params, extra)
+    return _new_state(exp, exp.model.apply, variables["params"], variables)
+
+
+def _new_state(exp: Experiment, apply_fn: Callable[..., Any], params: Any,
+               variables: dict[str, Any]) -> train_state.TrainState:
+    """flax's TrainState, or the fp8 strategy's (delayed scaling: its state beside the params)."""
+    if exp.precision.fp8 is None:
+        return train_state.TrainState.create(apply_fn=apply_fn, params=params, tx=exp.tx)
+    extra = {k: _per_layer_axes(v) for k, v in variables.items() if k != "params"}
+    return exp.precision.fp8.strategy.create_train_state(apply_fn=apply_fn, params=params,
+                                                         tx=exp.tx, variables=extra)
 
 
 def _per_layer_axes(state: Any) -> Any:

@@ -25,18 +25,88 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from jamp import fp8
 from jamp.loss_scale import loss_scale, overflow_stats, scale_loss
 from jamp.master import master_weights
-from jamp.policy import PolicyLike, to_mixed_precision
+
+if TYPE_CHECKING:
+    from jamp.policy import PolicyLike
+
+
+class TrainState(train_state.TrainState):
+    """A flax ``TrainState`` that may carry variables the step differentiates besides params.
+
+    :func:`train_step` asks the state, and nothing else, what more the forward
+    pass reads: :meth:`differentiated_variables` (variable collections, e.g. the
+    fp8 delayed-scaling state) are passed to ``apply_fn`` beside the params and
+    differentiated with them; their gradients bypass the optimizer and go to
+    :meth:`after_update`. A plain ``flax.training.train_state.TrainState`` (or
+    this base) has none. :class:`jamp.fp8.TrainState` is the subclass of mode ``"fp8"``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> s = jamp.step.TrainState.create(apply_fn=None, params={}, tx=optax.sgd(0.1))
+      >>> s.differentiated_variables(), s.after_update({}, s.opt_state, True, 1.0) is s
+      ({}, True)
+    """
+
+    def differentiated_variables(self) -> dict[str, Any]:
+        """``{collection: variables}`` the forward pass reads and the step differentiates."""
+        return {}
+
+    def variables_for_gradient(self, variables: dict[str, Any]) -> dict[str, Any]:
+        """``variables`` as the differentiated forward pass reads them (base: unchanged).
+
+        Called inside the differentiated function on :meth:`differentiated_variables`;
+        a subclass may wrap them (fp8: max-combined uses, max over a mesh).
+        """
+        return variables
+
+    def after_update(self, new_variables: dict[str, Any], opt_state_before: Any,
+                     applied: jax.Array, scale_ratio: jax.Array) -> TrainState:
+        """The state after ``apply_gradients``, given the differentiated variables' gradients.
+
+        Args:
+          new_variables: the gradients of :meth:`differentiated_variables`.
+          opt_state_before: the optimizer state before this step's update.
+          applied: whether the loss scale applied the update (``last_finite``).
+          scale_ratio: the loss scale after the update over the one used this step.
+        """
+        del new_variables, opt_state_before, applied, scale_ratio
+        return self
+
+    def extra_state(self) -> tuple[Any, ...]:
+        """The values of the fields a subclass adds to flax's (e.g. for memory reports).
+
+        Example:
+          >>> import optax, jamp
+          >>> jamp.step.TrainState.create(apply_fn=None, params={}, tx=optax.sgd(0.1)).extra_state()
+          ()
+        """
+        flax_fields = {f.name for f in dataclasses.fields(train_state.TrainState)}
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self)
+                     if f.name not in flax_fields)
+
+
+def differentiated_variables(state: train_state.TrainState) -> dict[str, Any]:
+    """What ``state`` has the step differentiate besides its params; ``{}`` for flax's own.
+
+    Example:
+      >>> import optax, jamp
+      >>> from flax.training import train_state
+      >>> s = train_state.TrainState.create(apply_fn=None, params={}, tx=optax.sgd(0.1))
+      >>> jamp.step.differentiated_variables(s)
+      {}
+    """
+    return state.differentiated_variables() if isinstance(state, TrainState) else {}
 
 
 def make_optimizer(
@@ -67,6 +137,8 @@ def make_optimizer(
       >>> isinstance(tx, optax.GradientTransformation)
       True
     """
+    from jamp.policy import to_mixed_precision  # here: jamp.policy imports jamp.fp8, whose
+    # TrainState subclasses this module's
     mp = to_mixed_precision(mp)
     if mp.master_weights:
         tx = master_weights(tx)
@@ -159,14 +231,15 @@ def train_step(
         differentiates each 'data' shard's share and all-reduces the gradients in
         each parameter's dtype.
 
-    A :class:`jamp.fp8.TrainState` with delayed-scaling fp8 state (mode
-    ``"fp8"``) has it read by the forward pass and differentiated with the
-    parameters; its gradient (the new state) bypasses the optimizer and the
-    loss scale and is written back by :func:`jamp.fp8.commit`, only when the
-    loss scale applied the step (max-combined over ``optax.MultiSteps``
-    micro-batches and, on a mesh, over the 'data' shards and pipeline
-    microbatches); its gradient amax history follows the loss scale's changes
-    (:func:`jamp.fp8.follow_loss_scale`).
+    A :class:`TrainState` subclass (such as :class:`jamp.fp8.TrainState`, whose
+    delayed-scaling fp8 state the forward pass reads) names further variables
+    to differentiate (:meth:`TrainState.differentiated_variables`); their
+    gradients bypass the optimizer and the loss scale and go to
+    :meth:`TrainState.after_update` with whether the loss scale applied the step
+    and how the loss scale changed (fp8: the new state is written back only for
+    an applied step, max-combined over ``optax.MultiSteps`` micro-batches and,
+    on a mesh, over the 'data' shards and pipeline microbatches; the gradient
+    amax history follows the loss scale).
 
     Returns:
       The new state and metrics: loss, accuracy, loss_scale (used for this
@@ -175,30 +248,28 @@ def train_step(
     Example: see the module docstring.
     """
     scale = loss_scale(state.opt_state)
-    meta = getattr(state, "fp8", None) or None  # delayed-scaling fp8 state (jamp.fp8.TrainState)
+    extras = differentiated_variables(state)
 
-    def loss_fn(variables, batch, rng):
-        if meta is None:
-            variables = {"params": variables}
-        else:  # new fp8 state = its gradient, max-combined over uses and over a mesh
-            params, fp8_meta = variables
-            variables = {"params": params, fp8.COLLECTION: fp8.as_meta(fp8.reduce_amax(fp8_meta))}
+    def loss_fn(differentiated, batch, rng):
+        params, more = differentiated if extras else (differentiated, {})
+        if extras:  # e.g. fp8 state: max-combined over its uses and over a mesh
+            more = state.variables_for_gradient(more)
+        variables = {"params": params, **more}
         logits = state.apply_fn(variables, batch["image"], train=True, rngs={"dropout": rng})
         loss = cross_entropy(logits, batch["label"], label_smoothing)
         accuracy = jnp.mean(correct_predictions(logits, batch["label"]))
         return scale_loss(loss, state.opt_state), {"loss": loss, "accuracy": accuracy}
 
-    if meta is None:
+    if not extras:  # the params alone (a plain flax TrainState)
         (_, metrics), grads = value_and_grad(loss_fn)(state.params, batch, rng)
         state = state.apply_gradients(grads=grads)
     else:
-        (_, metrics), (grads, new_meta) = value_and_grad(loss_fn)((state.params, meta), batch, rng)
+        (_, metrics), (grads, new) = value_and_grad(loss_fn)((state.params, extras), batch, rng)
         before = state.opt_state
         state = state.apply_gradients(grads=grads)
-        # Not through the optimizer: kept only if the loss scale applied the step.
-        state = fp8.commit(state, new_meta, before, overflow_stats(state.opt_state).last_finite)
-        # The gradient amax was of the gradient scaled by `scale`; the next is scaled anew.
-        state = fp8.follow_loss_scale(state, loss_scale(state.opt_state) / scale)
+        # Not through the optimizer: the state decides (e.g. kept only for an applied step).
+        state = state.after_update(new, before, overflow_stats(state.opt_state).last_finite,
+                                   loss_scale(state.opt_state) / scale)
     stats = overflow_stats(state.opt_state)
     return state, dict(metrics, loss_scale=scale, grad_finite=stats.last_finite,
                        steps_skipped=stats.steps_skipped, diverged=stats.diverged)
@@ -219,9 +290,7 @@ def eval_step(state: train_state.TrainState, batch: dict[str, jax.Array]) -> dic
       >>> float(metrics["correct"]), float(metrics["count"])
       (1.0, 2.0)
     """
-    variables = {"params": state.params}
-    if getattr(state, "fp8", None):
-        variables[fp8.COLLECTION] = state.fp8
+    variables = {"params": state.params, **differentiated_variables(state)}
     logits = state.apply_fn(variables, batch["image"], train=False)
     mask = batch.get("mask", jnp.ones(batch["label"].shape, bool)).astype(jnp.float32)
     logits = logits.astype(jnp.float32)

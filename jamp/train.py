@@ -41,7 +41,7 @@ import numpy as np
 from flax.training import train_state
 from tqdm import tqdm
 
-from jamp import data, fp8, parallel
+from jamp import data, parallel
 from jamp.checkpoint import Checkpointer
 from jamp.experiment import (
     Config,
@@ -61,7 +61,13 @@ from jamp.metrics import (
     plot_run,
     read_metrics,
 )
-from jamp.step import ValueAndGrad, cross_entropy, eval_step, train_step
+from jamp.step import (
+    ValueAndGrad,
+    cross_entropy,
+    differentiated_variables,
+    eval_step,
+    train_step,
+)
 
 # ----------------------------------------------------------------------------- the step
 
@@ -73,8 +79,9 @@ def mesh_value_and_grad(exp: Experiment, shardings: Any) -> ValueAndGrad:
     """
     spec = lambda tree: jax.tree_util.tree_map(lambda s: s.spec, tree)
     param_specs = spec(shardings.params)
-    if getattr(shardings, "fp8", None):  # jamp.train_step differentiates (params, fp8 state)
-        param_specs = (param_specs, spec(shardings.fp8))
+    extras = differentiated_variables(shardings)  # e.g. the fp8 state, beside the params
+    if extras:  # jamp.train_step differentiates (params, extras)
+        param_specs = (param_specs, spec(extras))
     return parallel.step.value_and_grad(param_specs, pipelined=exp.pipeline is not None)
 
 
@@ -129,8 +136,7 @@ def step_memory_report(exp: Experiment, state: train_state.TrainState) -> Memory
                                    exp.info.image_shape[-1]), jnp.float32)
     labels = jax.ShapeDtypeStruct((per_device,), jnp.int32)
 
-    fp8_state = getattr(state, "fp8", None) or None  # mode "fp8": delayed-scaling state
-    collections = {} if fp8_state is None else {fp8.COLLECTION: fp8_state}
+    collections = differentiated_variables(state)  # e.g. mode "fp8": delayed-scaling state
 
     def loss_fn(params, x, y):
         logits = state.apply_fn({"params": params, **collections}, x, train=True,
@@ -139,7 +145,7 @@ def step_memory_report(exp: Experiment, state: train_state.TrainState) -> Memory
 
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                       state.params)
-    model_state = None if fp8_state is None else (state.fp8, state.fp8_pending)
+    model_state = state.extra_state() if collections else None
     return memory_report(loss_fn, abstract, images, labels, opt_state=state.opt_state,
                          model_state=model_state)
 

@@ -180,7 +180,8 @@ def _front_of_new_history(stages: int, microbatches: int, x: jax.Array) -> np.nd
 
     def loss(meta):
         variables = {"kernel": kernel, "meta": fp8.as_meta(meta)}
-        y = pipeline.pipelined(stage, variables, x, stages=stages, microbatches=microbatches)
+        y = pipeline.pipelined(stage, variables, x, stages=stages, microbatches=microbatches,
+                               on_tick=fp8.Fp8Recipe("delayed").strategy.pipeline_hook())
         return y.sum()
 
     with jax.set_mesh(parallel.make_mesh({"data": 1, "model": 1, "pipe": stages})):

@@ -28,7 +28,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen import fp8_ops
 
 from jamp import attention
 from jamp.models.sizes import VIT_SIZES as VARIANTS
@@ -224,8 +223,9 @@ class Encoder(nn.Module):
             return x
         stack = lambda length: nn.scan(
             block_cls,
-            # One fp8 delayed-scaling state per layer (mode "fp8"), stacked like the params.
-            variable_axes={"params": 0, fp8_ops.OVERWRITE_WITH_GRADIENT: 0},
+            # Every collection per layer, stacked like the params (e.g. the fp8 state that
+            # jamp.apply_policy's mode "fp8" adds: one per layer).
+            variable_axes={True: 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=nn.broadcast,
             length=length,
@@ -249,13 +249,12 @@ class Encoder(nn.Module):
             rngs = {} if key is None else {"dropout": key}
             return stack(length).apply(layer_variables, h, deterministic, rngs=rngs)[0]
 
-        # The runner splits every [num_layers, ...] leaf: the params and, in mode "fp8",
-        # each layer's delayed-scaling state (whose gradient, its new value, the runner
-        # combines by max over the microbatches).
+        # The runner splits every [num_layers, ...] leaf: the params and any other
+        # collection of the blocks (e.g. the fp8 delayed-scaling state, whose gradient, its
+        # new value, the runner's on_tick hook keeps to real microbatches).
         layer_variables = {name: nn.unbox(collection["layers"])
                            for name, collection in self.variables.items()
-                           if name in ("params", fp8_ops.OVERWRITE_WITH_GRADIENT)
-                           and "layers" in collection}
+                           if "layers" in collection}
         return self.layer_runner(apply_layers, layer_variables, x, rng)
 
 

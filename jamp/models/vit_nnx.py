@@ -266,16 +266,16 @@ class Encoder(nnx.Module):
             return x
         if self.layer_runner is None:
             return self._scan(self.layers, x, deterministic, rng)
-        # The runner splits every [num_layers, ...] leaf: the params and, in mode "fp8", each
-        # layer's delayed-scaling state (whose new value it combines by max over microbatches).
-        graphdef, params, meta, rest = nnx.split(self.layers, nnx.Param, fp8.Fp8Meta, ...)
+        # The runner splits every [num_layers, ...] leaf: the params and any other state of
+        # the blocks (e.g. the fp8 delayed-scaling state, whose gradient, its new value, the
+        # runner's on_tick hook keeps to real microbatches).
+        graphdef, params, other = nnx.split(self.layers, nnx.Param, ...)
         layer_variables = {"params": nnx.to_pure_dict(params)}
-        if jax.tree_util.tree_leaves(meta):
-            layer_variables[fp8.COLLECTION] = nnx.to_pure_dict(meta)
+        if jax.tree_util.tree_leaves(other):
+            layer_variables["other"] = nnx.to_pure_dict(other)
 
         def apply_layers(variables, h, key):
-            layers = nnx.merge(graphdef, variables["params"],
-                               variables.get(fp8.COLLECTION, meta), rest)
+            layers = nnx.merge(graphdef, variables["params"], variables.get("other", other))
             return self._scan(layers, h, deterministic, key)
 
         return self.layer_runner(apply_layers, layer_variables, x, rng)
@@ -534,7 +534,7 @@ def fp8_state(model: nnx.Module) -> dict[str, Any]:
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"fp8_state expects an nnx.Module, got {type(model).__name__}.")
-    return nnx.to_pure_dict(nnx.state(model, fp8.Fp8Meta))
+    return fp8.nnx_state(model)
 
 
 def _paths(tree: Any) -> dict[str, tuple[int, ...]]:

@@ -10,8 +10,10 @@ hands its output to stage ``s + 1`` with ``jax.lax.ppermute``. The schedule has
 time is bubble; bubble slots compute on zeros, so every value stays finite and
 the loss-scale overflow check only ever sees real overflows, and state
 combined by max (the fp8 amax histories of mode ``"fp8"``, flax's ``fm32``
-leaves) takes its new value from real microbatches only
-(:func:`jamp.fp8.only_on_real_data`). ``jax.grad``
+leaves) must take its new value from real microbatches only: the caller passes
+a hook, ``on_tick(stage_params, real)``, that the schedule runs the stage's
+variables through on every tick (``jamp.fp8``'s strategy gives
+:func:`jamp.fp8.only_on_real_data`). ``jax.grad``
 differentiates straight through the schedule (the transpose of a ``ppermute``
 is the reverse ``ppermute``), which gives GPipe's backward pass.
 
@@ -49,13 +51,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jamp import fp8
-
 PIPE = "pipe"
 """The mesh axis the stages are laid out on."""
 
 StageFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 """``stage_fn(stage_params, x, microbatch_index) -> y`` with ``y`` shaped like ``x``."""
+
+TickHook = Callable[[Any, jax.Array], Any]
+"""``on_tick(stage_params, real) -> stage_params``: run on every tick; ``real`` (a bool
+scalar) is whether the tick carries a real microbatch, not the bubble's filler."""
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -74,7 +78,7 @@ def _is_manual(axis_name: str) -> bool:
 
 
 def gpipe(stage_fn: StageFn, stage_params: Any, inputs: jax.Array, *,
-          axis_name: str = PIPE) -> jax.Array:
+          axis_name: str = PIPE, on_tick: TickHook | None = None) -> jax.Array:
     """The GPipe schedule, to be called inside ``jax.shard_map`` manual over ``axis_name``.
 
     Args:
@@ -83,6 +87,8 @@ def gpipe(stage_fn: StageFn, stage_params: Any, inputs: jax.Array, *,
         it fold per-microbatch randomness (dropout) into its keys.
       stage_params: this stage's parameters (varying over ``axis_name``).
       inputs: ``[M, ...]`` microbatches, the same on every stage.
+      on_tick: optional :data:`TickHook` the stage's parameters pass through on
+        every tick (e.g. to keep the bubble's filler out of state combined by max).
 
     Returns:
       ``[M, ...]``: the last stage's outputs, on every stage.
@@ -115,9 +121,9 @@ def gpipe(stage_fn: StageFn, stage_params: Any, inputs: jax.Array, *,
         t, fresh = xs
         x = jnp.where(stage == 0, fresh, received)
         microbatch = t - stage
-        # Bubble ticks run on filler: state combined by max (fp8 amax) must not see it.
+        # Bubble ticks run on filler: the caller's hook may keep it out (e.g. of fp8 amax).
         real = (microbatch >= 0) & (microbatch < microbatches)
-        params = fp8.only_on_real_data(stage_params, real)
+        params = stage_params if on_tick is None else on_tick(stage_params, real)
         y = stage_fn(params, x, jnp.clip(microbatch, 0, microbatches - 1))
         # Stage s + 1 gets y next tick; stage 0 receives zeros (ppermute fills gaps).
         return jax.lax.ppermute(y, axis_name, forward), y
@@ -149,7 +155,8 @@ def _wide(x: jax.Array) -> jax.Array:
 
 
 def pipelined(stage_fn: StageFn, layer_params: Any, x: jax.Array, *, stages: int,
-              microbatches: int, axis_name: str = PIPE) -> jax.Array:
+              microbatches: int, axis_name: str = PIPE,
+              on_tick: TickHook | None = None) -> jax.Array:
     """Runs ``[L, ...]``-stacked layers as a GPipe pipeline over ``axis_name`` of the mesh.
 
     ``x`` (``[B, ...]``) is split into ``microbatches`` interleaved microbatches
@@ -170,6 +177,7 @@ def pipelined(stage_fn: StageFn, layer_params: Any, x: jax.Array, *, stages: int
       x: ``[B, ...]`` activations, ``B`` divisible by ``microbatches``.
       stages: ``S``, the number of stages.
       microbatches: ``M``, the number of microbatches.
+      on_tick: optional hook for the stages' parameters on every tick (:func:`gpipe`).
 
     Returns:
       ``[B, ...]``, what applying all ``L`` layers in order to ``x`` gives.
@@ -195,7 +203,7 @@ def pipelined(stage_fn: StageFn, layer_params: Any, x: jax.Array, *, stages: int
     # [B, ...] -> [M, B / M, ...] with example i in microbatch i % M.
     micro = jnp.swapaxes(x.reshape(batch // microbatches, microbatches, *x.shape[1:]), 0, 1)
     if _is_manual(axis_name):
-        out = gpipe(stage_fn, layer_params, micro, axis_name=axis_name)
+        out = gpipe(stage_fn, layer_params, micro, axis_name=axis_name, on_tick=on_tick)
     else:
         layers = {leaf.shape[0] for leaf in jax.tree_util.tree_leaves(layer_params)}
         if len(layers) != 1 or next(iter(layers)) % stages:
@@ -203,7 +211,7 @@ def pipelined(stage_fn: StageFn, layer_params: Any, x: jax.Array, *, stages: int
                 f"{sorted(layers)} stacked layers cannot be split into {stages} pipeline "
                 "stages; use a number of layers divisible by the 'pipe' mesh axis.")
         out = jax.shard_map(
-            lambda p, xs: gpipe(stage_fn, p, xs, axis_name=axis_name),
+            lambda p, xs: gpipe(stage_fn, p, xs, axis_name=axis_name, on_tick=on_tick),
             in_specs=(P(axis_name), P()), out_specs=P(), axis_names={axis_name},
         )(layer_params, micro)
     return jnp.swapaxes(out, 0, 1).reshape(x.shape)
@@ -224,6 +232,9 @@ class GPipe:
       stages: ``S``, the size of the mesh's ``axis_name`` axis.
       microbatches: ``M``, microbatches per (data-shard) batch.
       axis_name: the mesh axis the stages are laid out on.
+      on_tick: optional :data:`TickHook` for the stages' variables on every tick
+        (the trainer passes its fp8 strategy's, which keeps the bubble's filler
+        out of the amax histories).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -240,6 +251,7 @@ class GPipe:
     stages: int
     microbatches: int
     axis_name: str = PIPE
+    on_tick: TickHook | None = dataclasses.field(default=None, repr=False)
 
     @property
     def bubble_fraction(self) -> float:
@@ -262,4 +274,5 @@ class GPipe:
             return apply_layers(params, h, key)
 
         return pipelined(stage_fn, layer_params, x, stages=self.stages,
-                         microbatches=self.microbatches, axis_name=self.axis_name)
+                         microbatches=self.microbatches, axis_name=self.axis_name,
+                         on_tick=self.on_tick)
