@@ -575,7 +575,7 @@ def autocast(fn: Callable[..., Any], policy_or_mode: PolicyLike) -> Callable[...
     rules, as ``jamp.apply_policy`` does. Parameters stay in the dtype you
     store them in (``mp.policy.cast_to_param(params)`` gives the param dtype).
 
-    fp8: under ``"fp8_current"`` (a recipe with ``fp8.scaling == "current"``)
+    fp8: under ``"fp8_current"`` (a recipe whose ``fp8.strategy`` is current scaling)
     every projection, i.e. every ``dot_general`` without batch dimensions
     (``x @ w``, ``nn.Dense``, ``einsum`` with a kernel), runs as
     :func:`jamp.fp8.current_scaling_dot_general` (E4M3 operands, E5M2 gradient,

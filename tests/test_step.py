@@ -10,7 +10,7 @@ training loops.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ import optax
 import pytest
 from flax.training import train_state
 
+import jamp
 from jamp import data, experiment, train
 from jamp.config import vit_config
 from jamp.loss_scale import loss_scale, overflow_stats
@@ -312,3 +313,38 @@ def test_make_optimizer_takes_what_apply_policy_takes(mode):
     by_recipe = make_optimizer(mixed_precision(mode), optax.sgd(0.1)).init(PARAMS)
     assert jax.tree.structure(by_name) == jax.tree.structure(by_recipe)
     assert float(loss_scale(by_name)) == float(loss_scale(by_recipe))
+
+
+class _TemperedState(jamp.step.TrainState):
+    """A TrainState whose forward pass also reads (and the step differentiates) a temperature."""
+
+    temperature: Any = None
+    seen: Any = None  # the gradient of the temperature, as after_update received it
+    applied: Any = None
+
+    def differentiated_variables(self):
+        return {"temper": {"t": self.temperature}}
+
+    def after_update(self, new_variables, opt_state_before, applied, scale_ratio):
+        return self.replace(seen=new_variables["temper"]["t"], applied=applied)
+
+
+def test_the_step_differentiates_what_a_train_state_names_and_hands_it_back():
+    """A jamp.step.TrainState subclass's extra variables reach apply_fn, are differentiated
+    with the params (not given to the optimizer) and come back through after_update."""
+    def apply_fn(variables, images, train=False, rngs=None):
+        return images @ variables["params"]["w"] * variables["temper"]["t"]
+
+    images, labels = jnp.array([[1.0, 0.0], [0.0, 1.0]]), jnp.array([0, 1])
+    w, t = jnp.eye(2), jnp.float32(2.0)
+    state = _TemperedState.create(apply_fn=apply_fn, params={"w": w},
+                                  tx=jamp.make_optimizer("fp32", optax.sgd(0.1)),
+                                  temperature=t, seen=jnp.float32(0), applied=jnp.bool_(False))
+    new, _ = jax.jit(jamp.train_step)(state, {"image": images, "label": labels},
+                                      jax.random.key(0))
+    want = jax.grad(lambda t: cross_entropy(images @ w * t, labels))(t)
+    np.testing.assert_allclose(float(new.seen), float(want), rtol=1e-6)
+    assert bool(new.applied) and float(new.temperature) == 2.0  # not an optimizer update
+    assert int(new.step) == 1
+    metrics = eval_step(new, {"image": images, "label": labels})  # reads it too
+    assert float(metrics["correct"]) == 2.0
