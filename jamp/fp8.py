@@ -137,6 +137,16 @@ class Fp8Recipe:
                 f"amax_history_length must be an int >= 1, got {n!r}; e.g. 1024 (Transformer "
                 "Engine's default) or 16.")
 
+    def applies_to(self, name: str | None) -> bool:
+        """Whether a layer named ``name`` (last path component) runs fp8: not in ``keep_bf16``.
+
+        Example:
+          >>> import jamp
+          >>> jamp.fp8.Fp8Recipe().applies_to("head"), jamp.fp8.Fp8Recipe().applies_to("out")
+          (False, True)
+        """
+        return name not in self.keep_bf16
+
 
 # --------------------------------------------------------------------------- current scaling
 
