@@ -8,6 +8,6 @@ Example:
   True
 """
 
-from jamp.apply.nnx import apply_policy, dot_product_attention, norm_in_float32, policy_of
+from jamp.apply.nnx import dot_product_attention, norm_in_float32, policy_of
 
-__all__ = ["apply_policy", "dot_product_attention", "norm_in_float32", "policy_of"]
+__all__ = ["dot_product_attention", "norm_in_float32", "policy_of"]

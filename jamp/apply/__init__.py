@@ -107,9 +107,9 @@ def apply_policy(
       (dtype('float32'), dtype(bfloat16))
     """
     if isinstance(module, flax.nnx.Module):
-        return nnx.apply_policy(module, policy_or_mode, overrides)
+        return nnx.apply_recipe(module, to_mixed_precision(policy_or_mode, overrides))
     if isinstance(module, flax.linen.Module):
-        return linen.apply_policy(module, policy_or_mode, overrides)
+        return linen.apply_recipe(module, to_mixed_precision(policy_or_mode, overrides))
     raise TypeError(
         f"apply_policy expects a flax.linen.Module or a flax.nnx.Module, got "
         f"{type(module).__name__}. For a plain JAX function (jnp, Equinox, Haiku), use "

@@ -57,14 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import attention, fp8
-from jamp.apply.core import (
-    NORMS,
-    cast_floating,
-    computes_in_float32,
-    fp8_recipe_for,
-    is_floating,
-    softmax_rules,
-)
+from jamp.apply import core
 from jamp.autocast import rewrite
 from jamp.policy import (
     MixedPrecision,
@@ -77,7 +70,7 @@ from jamp.policy import (
 
 NORM_CLASSES: tuple[type, ...] = (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm)
 """linen's norms: what :data:`jamp.policy.NORMS` stands for in a linen model."""
-NORMS.register(*NORM_CLASSES)
+core.NORMS.register(*NORM_CLASSES)
 
 
 def _is_float_dtype(arg: Any) -> bool:
@@ -92,7 +85,7 @@ def _draw_in_float32(init_fn: Callable[..., Any], param_dtype: Any) -> Callable[
     def init(key, *args, **kwargs):
         args = [jnp.float32 if _is_float_dtype(a) else a for a in args]
         kwargs = {k: jnp.float32 if _is_float_dtype(a) else a for k, a in kwargs.items()}
-        return cast_floating(init_fn(key, *args, **kwargs), param_dtype)
+        return core.cast_floating(init_fn(key, *args, **kwargs), param_dtype)
 
     return init
 
@@ -105,7 +98,7 @@ def _policy_param(module: nn.Module, policy: Policy) -> Callable[..., Any]:
               **init_kwargs):
         value = nn.Module.param(module, name, _draw_in_float32(init_fn, policy.param_dtype),
                                 *init_args, unbox=unbox, **init_kwargs)
-        return cast_floating(value, policy.compute_dtype)
+        return core.cast_floating(value, policy.compute_dtype)
 
     return param
 
@@ -131,7 +124,7 @@ def _keep_carry_dtype(out: Any, args: tuple) -> Any:
     old_leaves, old_def = jax.tree_util.tree_flatten(old)
     new_leaves, new_def = jax.tree_util.tree_flatten(new)
     if not old_leaves or old_def != new_def or not all(
-            is_floating(a) and is_floating(b) and a.shape == b.shape
+            core.is_floating(a) and core.is_floating(b) and a.shape == b.shape
             for a, b in zip(old_leaves, new_leaves, strict=True)):
         return out
     carry = jax.tree_util.tree_map(lambda b, a: b.astype(a.dtype), new, old)
@@ -147,13 +140,13 @@ def _configure(module: nn.Module, mp: MixedPrecision, policy: Policy) -> bool:
     _set_field(module, "param_dtype", policy.param_dtype)
     if (
         mp.softmax_fp32
-        and not computes_in_float32(policy)
+        and not core.computes_in_float32(policy)
         and getattr(module, "attention_fn", None) is nn.dot_product_attention
     ):
         _set_field(module, "attention_fn", attention.dot_product_attention)
     _set_field(module, "softmax_fp32", mp.softmax_fp32)
     # fp8 matmuls where core's rule says so; an nn.RNN shares its cell's state over steps
-    recipe = fp8_recipe_for(mp, policy, module.name)
+    recipe = core.fp8_recipe_for(mp, policy, module.name)
     in_fp8 = recipe is not None and fp8.linen_install(module, recipe)
     if mp.fp8 is not None:
         fp8.linen_share_over_steps(module, mp.fp8)
@@ -207,10 +200,10 @@ def _make_interceptor(mp: MixedPrecision, root: Sequence[str] = (), paths: _Path
         call = next_fun
         if in_fp8 and _runs_einsum_call(context):  # nn.Einsum: no dot_general hook
             call = functools.partial(fp8.linen_einsum, module, mp.fp8)
-        out = call(*cast_floating(args, policy.compute_dtype),
-                   **cast_floating(kwargs, policy.compute_dtype))
+        out = call(*core.cast_floating(args, policy.compute_dtype),
+                   **core.cast_floating(kwargs, policy.compute_dtype))
         if override is not None:
-            out = cast_floating(out, policy.output_dtype)
+            out = core.cast_floating(out, policy.output_dtype)
         return _keep_carry_dtype(out, args)
 
     return interceptor
@@ -303,7 +296,7 @@ class PolicyModule(nn.Module):
         with nn.intercept_methods(_make_interceptor(self.precision, self.path, paths)):
             out = fn(self.inner, *args, **kwargs)
         paths.check(self.precision, type(self.inner).__name__)
-        return cast_floating(out, self.precision.policy.output_dtype)
+        return core.cast_floating(out, self.precision.policy.output_dtype)
 
     def _method(self, method: Any) -> Callable[..., Any]:
         if method is None or getattr(method, "__func__", method) in (
@@ -335,7 +328,7 @@ class PolicyModule(nn.Module):
           dtype('float32')
         """
         apply = functools.partial(super().apply, method=self._method(method))
-        rules = softmax_rules(self.precision)
+        rules = core.softmax_rules(self.precision)
         if rules is not None:
             apply = rewrite(apply, rules)
         return apply(variables, *args, **kwargs)
@@ -353,17 +346,16 @@ class PolicyModule(nn.Module):
         return super().init_with_output(rngs, *args, method=self._method(method), **kwargs)
 
 
-def apply_policy(module: nn.Module, policy_or_mode: PolicyLike,
-                 overrides: Mapping[OverrideKey, Any] | None = None) -> PolicyModule:
+def apply_recipe(module: nn.Module, mp: MixedPrecision) -> PolicyModule:
     """``module`` wrapped in a :class:`PolicyModule` (:func:`jamp.apply_policy` for linen).
 
     Raises:
       ValueError: for a module bound inside another module's scope.
 
     Example:
-      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jamp
       >>> from jamp.apply import linen
-      >>> model = linen.apply_policy(nn.Dense(4), "bf16_pure")
+      >>> model = linen.apply_recipe(nn.Dense(4), jamp.mixed_precision("bf16_pure"))
       >>> model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]["kernel"].dtype
       dtype(bfloat16)
     """
@@ -372,4 +364,4 @@ def apply_policy(module: nn.Module, policy_or_mode: PolicyLike,
             "apply_policy needs an unbound module (the one you call .init/.apply on), "
             "not one bound inside another module's scope. Use jamp.policy_scope there."
         )
-    return PolicyModule(inner=module, precision=to_mixed_precision(policy_or_mode, overrides))
+    return PolicyModule(inner=module, precision=mp)

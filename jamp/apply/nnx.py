@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import flax.linen as nn
@@ -59,30 +59,16 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from jamp import attention, fp8
-from jamp.apply.core import (
-    NORMS,
-    cast_floating,
-    computes_in_float32,
-    fp8_recipe_for,
-    is_floating,
-    softmax_rules,
-)
+from jamp.apply import core
 from jamp.autocast import rewrite
-from jamp.policy import (
-    MixedPrecision,
-    OverrideKey,
-    Policy,
-    PolicyLike,
-    module_path,
-    to_mixed_precision,
-)
+from jamp.policy import MixedPrecision, Policy, module_path
 
 M = TypeVar("M", bound=nnx.Module)
 
 NORM_CLASSES: tuple[type, ...] = (nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.RMSNorm)
 """Flax's NNX norms (what :data:`jamp.policy.NORMS` stands for in an NNX model): their
 statistics and normalisation always run in at least float32."""
-NORMS.register(*NORM_CLASSES)
+core.NORMS.register(*NORM_CLASSES)
 
 
 def norm_in_float32(args: tuple, *, dtype: Any = None, inexact: bool = True) -> tuple:
@@ -112,7 +98,7 @@ def _is_node(x: Any) -> bool:
 
 def _cast(tree: Any, dtype: Any) -> Any:
     """Casts floating arrays of ``tree`` to ``dtype``; NNX objects (Rngs...) pass untouched."""
-    return cast_floating(tree, dtype, is_leaf=_is_node)
+    return core.cast_floating(tree, dtype, is_leaf=_is_node)
 
 
 def _modules(module: nnx.Module) -> dict[tuple, nnx.Module]:
@@ -128,7 +114,7 @@ def _params(module: nnx.Module) -> Iterator[tuple[tuple, nnx.Module, nnx.Param]]
     nearest module."""
     modules = _modules(module)
     for path, node in nnx.iter_graph(module):
-        if isinstance(node, nnx.Param) and is_floating(node.get_value()):
+        if isinstance(node, nnx.Param) and core.is_floating(node.get_value()):
             owner = next(path[:i] for i in reversed(range(len(path))) if path[:i] in modules)
             yield owner, modules[owner], node
 
@@ -188,10 +174,10 @@ def _configure(module: nnx.Module, mp: MixedPrecision) -> None:
     for path, node in _modules(module).items():
         policy = _policy(mp, path, node)
         if (isinstance(node, nnx.MultiHeadAttention)
-                and not computes_in_float32(policy)
+                and not core.computes_in_float32(policy)
                 and node.attention_fn is nnx.dot_product_attention):
             node.attention_fn = functools.partial(
-                dot_product_attention, float32_softmax=softmax_rules(mp) is not None)
+                dot_product_attention, float32_softmax=core.softmax_rules(mp) is not None)
         norm = isinstance(node, NORM_CLASSES)
         if "dtype" in vars(node):
             # Flax's norms compute in >= float32 whatever their dtype, which is the output's.
@@ -201,7 +187,7 @@ def _configure(module: nnx.Module, mp: MixedPrecision) -> None:
         if "param_dtype" in vars(node):
             node.param_dtype = policy.param_dtype
         name = path[-1] if path else None
-        recipe = fp8_recipe_for(mp, policy, name)
+        recipe = core.fp8_recipe_for(mp, policy, name)
         if recipe is not None:
             fp8.nnx_install(node, recipe, name)
     for path, owner, param in _params(module):
@@ -233,7 +219,7 @@ def _run(module: nnx.Module, call: Callable[..., Any], mp: MixedPrecision,
         out = call(inner, *a, **k)
         return out, nnx.state([inner, *inner_nodes], nnx.Not(nnx.Param))
 
-    rules = softmax_rules(mp)
+    rules = core.softmax_rules(mp)
     out, new_state = (pure if rules is None else rewrite(pure, rules))(state, values)
     nnx.update(nodes, new_state)
     return _cast(out, mp.policy.output_dtype)
@@ -278,23 +264,17 @@ def policy_of(module: nnx.Module) -> MixedPrecision | None:
     return getattr(type(module), "_jamp_precision", None)
 
 
-def apply_policy(module: M, policy_or_mode: PolicyLike,
-                 overrides: Mapping[OverrideKey, Any] | None = None) -> M:
-    """Puts an NNX model under a precision policy, in place, and returns it.
+def apply_recipe(module: M, mp: MixedPrecision) -> M:
+    """Puts an NNX model under a recipe, in place, and returns it.
 
     See the module docstring for what changes. ``jamp.apply_policy`` calls this
-    for ``nnx.Module`` arguments.
+    for ``nnx.Module`` arguments, with the recipe its arguments name.
 
     Args:
       module: any ``nnx.Module``, created as usual (in float32).
-      policy_or_mode: a mode name, a jmp-style policy string, a ``jamp.Policy``
-        or a ``jamp.MixedPrecision``.
-      overrides: optional ``{module class or path pattern: policy}``, as for
-        linen (:func:`jamp.apply_policy`): a class applies to its subclasses too;
-        a string is a regular expression matched in full against each module's
-        graph path, names and list indices joined with ``"/"`` (``"head"``,
-        ``"blocks/0/mlp"``, ``"blocks/.*"``), and beats a class. Classes replace
-        the mode's class overrides, patterns its patterns.
+      mp: the recipe. Its path patterns are regular expressions matched in full
+        against each module's graph path, names and list indices joined with
+        ``"/"`` (``"head"``, ``"blocks/0/mlp"``, ``"blocks/.*"``).
 
     Returns:
       ``module`` itself, whose class is now a policy subclass of its class.
@@ -322,9 +302,6 @@ def apply_policy(module: M, policy_or_mode: PolicyLike,
       >>> net.head.kernel.dtype, net.blocks[1].kernel.dtype
       (dtype('float32'), dtype(bfloat16))
     """
-    if not isinstance(module, nnx.Module):
-        raise TypeError(f"expected an nnx.Module, got {type(module).__name__}.")
-    mp = to_mixed_precision(policy_or_mode, overrides)
     _check(module, mp)
     _configure(module, mp)
     # In place, to a subclass of its own class: see _policy_class for why.
