@@ -11,8 +11,8 @@ Example:
 """
 
 from jamp import fp8
+from jamp.apply import PolicyModule, apply_policy, policy_scope, to_mixed_precision
 from jamp.autocast import autocast
-from jamp.flax import PolicyModule, apply_policy, policy_scope, to_mixed_precision
 from jamp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,

@@ -110,13 +110,28 @@ _TRANSPARENT = frozenset({"broadcast_in_dim", "reshape", "convert_element_type",
                           "expand_dims", "stop_gradient", "max"})
 
 
-def _floating(x: Any) -> bool:
+def is_floating(x: Any) -> bool:
+    """Whether ``x`` is a floating-point array (JAX, NumPy or a NumPy scalar).
+
+    The one test of "floating value" that autocast and the policy adapters
+    (:mod:`jamp.apply`) share.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jamp.autocast import is_floating
+      >>> is_floating(jnp.ones(2)), is_floating(jnp.arange(2)), is_floating(1.0)
+      (True, False, False)
+    """
     return isinstance(x, jax.Array | np.ndarray | np.generic) and jnp.issubdtype(
         x.dtype, jnp.floating)
 
 
-def cast_floating(tree: Any, dtype: Any) -> Any:
+def cast_floating(tree: Any, dtype: Any,
+                  is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """Casts the floating-point arrays of ``tree`` to ``dtype``; leaves the rest alone.
+
+    ``is_leaf`` stops the walk at nodes to pass through untouched (the NNX
+    adapter passes ``nnx.Rngs`` and other NNX objects this way).
 
     Example:
       >>> import jax.numpy as jnp
@@ -127,7 +142,8 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     """
     dtype = jnp.dtype(dtype)
     return jax.tree_util.tree_map(
-        lambda x: x.astype(dtype) if _floating(x) and x.dtype != dtype else x, tree)
+        lambda x: x.astype(dtype) if is_floating(x) and x.dtype != dtype else x, tree,
+        is_leaf=is_leaf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +339,7 @@ def _bind(eqn: jex.JaxprEqn, invals: Sequence[Any], params: dict | None = None) 
 
 def _as_traced(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
     """``eqn`` run on its operands cast back to the dtypes it was traced with."""
-    return _bind(eqn, [x.astype(v.aval.dtype) if _floating(x) and x.dtype != v.aval.dtype else x
+    return _bind(eqn, [x.astype(v.aval.dtype) if is_floating(x) and x.dtype != v.aval.dtype else x
                        for x, v in zip(invals, eqn.invars, strict=True)])
 
 
@@ -333,11 +349,11 @@ def _narrowest_dtype(dtypes: Sequence[Any]) -> Any:
 
 def _narrowest(invals: Sequence[Any]) -> list:
     """Floating operands cast to the narrowest floating dtype among them."""
-    dtypes = {x.dtype for x in invals if _floating(x)}
+    dtypes = {x.dtype for x in invals if is_floating(x)}
     if len(dtypes) < 2:
         return list(invals)
     target = _narrowest_dtype(dtypes)
-    return [x.astype(target) if _floating(x) else x for x in invals]
+    return [x.astype(target) if is_floating(x) else x for x in invals]
 
 
 def _polymorphic(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
@@ -347,7 +363,7 @@ def _polymorphic(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
 def _dot(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
     """A matmul/conv on compute-dtype operands, returning the compute dtype; projections
     as current-scaling fp8 matmuls where the recipe says so."""
-    if not all(_floating(x) for x in invals):
+    if not all(is_floating(x) for x in invals):
         return _as_traced(eqn, invals)
     compute = jnp.dtype(rules.compute_dtype)
     operands = [x.astype(compute) for x in invals]
@@ -364,14 +380,14 @@ def _float32(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
     """``eqn`` computed in float32, returned in its operands' dtype; remat keeps the half
     precision inputs only (not float32 intermediates) for the backward pass."""
     invals = _narrowest(invals)
-    half = {x.dtype for x in invals if _floating(x)} & set(_HALF)
+    half = {x.dtype for x in invals if is_floating(x)} & set(_HALF)
     if not half:
         return _bind(eqn, invals)
     (dtype,) = half
 
     def in_float32(*xs):
-        out = _bind(eqn, [x.astype(jnp.float32) if _floating(x) else x for x in xs])
-        return [y.astype(dtype) if _floating(y) else y for y in out]
+        out = _bind(eqn, [x.astype(jnp.float32) if is_floating(x) else x for x in xs])
+        return [y.astype(dtype) if is_floating(y) else y for y in out]
 
     if eqn.primitive.name in _LINEAR_FLOAT32:
         return in_float32(*invals)
@@ -398,7 +414,7 @@ def _whole_softmax(closed: jex.ClosedJaxpr, rules: Rules) -> tuple[str, tuple] |
 def _custom(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
     """custom_jvp/custom_vjp functions run as written, except a whole softmax on half logits."""
     found = None
-    if rules.softmax and len(invals) == 1 and _floating(invals[0]) and invals[0].dtype in _HALF:
+    if rules.softmax and len(invals) == 1 and is_floating(invals[0]) and invals[0].dtype in _HALF:
         found = _whole_softmax(eqn.params["call_jaxpr"], rules)
     if found is None:
         return _as_traced(eqn, invals)
@@ -407,7 +423,7 @@ def _custom(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
 
 
 def _cast_like(values: Sequence[Any], like: Sequence[Any]) -> list:
-    return [x.astype(y.dtype) if _floating(x) and x.dtype != y.dtype else x
+    return [x.astype(y.dtype) if is_floating(x) and x.dtype != y.dtype else x
             for x, y in zip(values, like, strict=True)]
 
 

@@ -39,8 +39,8 @@ from flax import nnx
 from flax.training import train_state
 
 from jamp import data, parallel
+from jamp.apply import apply_policy
 from jamp.config import FIELD_HELP
-from jamp.flax import apply_policy
 from jamp.models import vit, vit_nnx
 from jamp.models.sizes import vit_dims
 from jamp.parallel.pipeline import GPipe

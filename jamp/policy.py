@@ -28,10 +28,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax.numpy as jnp
 import jmp
-from flax import nnx
 
 from jamp.fp8 import Fp8Recipe
 from jamp.loss_scale import LossScaleConfig
@@ -39,8 +37,47 @@ from jamp.loss_scale import LossScaleConfig
 Policy = jmp.Policy
 """``jmp.Policy``: a frozen dataclass ``(param_dtype, compute_dtype, output_dtype)``."""
 
-OverrideKey = type | str
-"""A module class, or a regular expression matched in full against a module path."""
+
+
+class NormLayers:
+    """The override key of the normalisation layers, whatever the framework.
+
+    jamp's half-precision modes run LayerNorm, BatchNorm, GroupNorm and RMSNorm
+    in float32 (:func:`float32_overrides`). This key names them without
+    importing a framework: each adapter of :mod:`jamp.apply` registers its own
+    norm classes (linen's, NNX's) with :meth:`register`, and
+    :meth:`MixedPrecision.override_for` gives the key's policy to those classes
+    and their subclasses (a class key of their own beats it). There is one
+    instance, :data:`NORMS`.
+
+    Example:
+      >>> import jamp, flax.linen as nn
+      >>> jamp.policy.NORMS.covers(nn.LayerNorm), jamp.policy.NORMS.covers(nn.Dense)
+      (True, False)
+    """
+
+    _classes: list[type] = []
+
+    def register(self, *classes: type) -> None:
+        """Adds a framework's norm classes (called by the adapters when imported)."""
+        self._classes.extend(c for c in classes if c not in self._classes)
+
+    def covers(self, cls: type) -> bool:
+        """Whether ``cls`` itself is a registered norm class (subclasses: walk the MRO)."""
+        return cls in self._classes
+
+    def __repr__(self) -> str:
+        return "jamp.policy.NORMS"
+
+    def __reduce__(self) -> str:
+        return "NORMS"  # pickles and copies as the module's one instance
+
+
+NORMS = NormLayers()
+"""The symbolic override key of every framework's norms (see :class:`NormLayers`)."""
+
+OverrideKey = type | NormLayers | str
+"""A module class, :data:`NORMS`, or a regular expression matched in full against a path."""
 
 Overrides = tuple[tuple[OverrideKey, Policy], ...]
 
@@ -119,11 +156,6 @@ def get_policy(spec: str | Policy) -> Policy:
     return jmp.get_policy(text)
 
 
-def _norm_classes() -> tuple[type, ...]:
-    return (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm,
-            nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.RMSNorm)
-
-
 def float32_overrides(policy: Policy) -> Overrides:
     """Overrides that run normalisation layers in float32 and return compute dtype.
 
@@ -131,17 +163,21 @@ def float32_overrides(policy: Policy) -> Overrides:
       policy: the model-wide policy; its compute dtype is what the norms return.
 
     Returns:
-      A tuple of ``(module class, Policy)`` pairs for LayerNorm, BatchNorm,
-      GroupNorm and RMSNorm, linen's and NNX's.
+      One ``(NORMS, Policy)`` pair: :data:`NORMS` stands for LayerNorm,
+      BatchNorm, GroupNorm and RMSNorm, linen's and NNX's (each adapter resolves
+      it to its own classes).
 
     Example:
-      >>> import jamp
+      >>> import jamp, flax.linen as nn
       >>> ov = jamp.float32_overrides(jamp.get_policy("p=f32,c=f16,o=f32"))
-      >>> str(dict(ov)[nn.LayerNorm])
+      >>> str(dict(ov)[jamp.policy.NORMS])
+      'p=full,c=full,o=f16'
+      >>> mp = jamp.MixedPrecision("custom", jamp.get_policy("f32"), overrides=ov)
+      >>> str(mp.policy_for(nn.LayerNorm))
       'p=full,c=full,o=f16'
     """
     norm = Policy(jnp.float32, jnp.float32, policy.compute_dtype)
-    return tuple((cls, norm) for cls in _norm_classes())
+    return ((NORMS, norm),)
 
 
 def module_path(path: str | Sequence[Any]) -> str:
@@ -171,10 +207,11 @@ def _check_override_key(key: object) -> None:
                 "Python regular expression matched in full against module paths such as "
                 "'Encoder_0/Dense_1' (linen) or 'blocks/0/mlp' (NNX); escape special "
                 "characters with re.escape(...).") from None
-    elif not (isinstance(key, type) and issubclass(key, nn.Module | nnx.Module)):
+    elif not (isinstance(key, type) or key is NORMS):
         raise ValueError(
-            "overrides keys must be flax.linen.Module or flax.nnx.Module subclasses, or "
-            f"module-path patterns (str, e.g. 'head' or 'Encoder_0/.*'), got {key!r}.")
+            "overrides keys must be module classes (flax.linen.Module or flax.nnx.Module "
+            "subclasses), jamp.policy.NORMS (the norm layers) or module-path patterns (str, "
+            f"e.g. 'head' or 'Encoder_0/.*'), got {key!r}.")
 
 
 def _override_policy(key: OverrideKey, spec: Any) -> Policy:
@@ -307,9 +344,12 @@ class MixedPrecision:
             if hits:
                 return hits[0][1]
         classes = {key: policy for key, policy in self.overrides if not isinstance(key, str)}
+        norms = classes.get(NORMS)
         for klass in module_cls.__mro__:
             if klass in classes:
                 return classes[klass]
+            if norms is not None and NORMS.covers(klass):
+                return norms
         return None
 
     def policy_for(self, module_cls: type, path: str | Sequence[Any] | None = None) -> Policy:
@@ -360,7 +400,7 @@ class MixedPrecision:
         """
         paths = sorted({module_path(p) for p in paths})
         for path in paths:
-            self.override_for(nn.Module, path)
+            self.override_for(object, path)
         unmatched = [pattern for pattern, _ in self.path_overrides
                      if not any(pattern == p or re.fullmatch(pattern, p) for p in paths)]
         if unmatched:

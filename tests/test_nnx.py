@@ -154,7 +154,7 @@ def test_split_merge_jit_grad_batchnorm_and_dropout():
     model = jamp.apply_policy(CNN(nnx.Rngs(0)), "bf16")
     graphdef, state = nnx.split(model)
     model = nnx.merge(graphdef, state)
-    assert jamp.nnx.policy_of(model).name == "bf16" and isinstance(model, CNN)
+    assert jamp.apply.nnx.policy_of(model).name == "bf16" and isinstance(model, CNN)
     x = jax.random.normal(jax.random.key(1), (4, 5, 5, 1))
     mean0 = model.bn.mean.get_value()
     step = nnx.jit(nnx.value_and_grad(lambda m, x: m(x).astype(jnp.float32).sum()))

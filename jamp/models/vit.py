@@ -35,16 +35,13 @@ from jamp.models.sizes import parse_variant
 
 
 def _partitioned(init: Callable, axes: tuple[str | None, ...]) -> Callable:
-    """``init`` with logical axis names, drawing in float32 whatever the param dtype.
+    """``init`` with logical axis names.
 
-    Drawing first and rounding to the param dtype after gives every precision mode
-    the same initial weights (up to that rounding), so runs compare cleanly.
+    The policy (:mod:`jamp.apply.linen`) draws every parameter in float32 and
+    rounds it to the param dtype, so every precision mode starts from the same
+    weights (up to that rounding); the model does not do it again.
     """
-
-    def init_in_f32(key, shape, dtype=jnp.float32):
-        return init(key, shape, jnp.float32).astype(dtype)
-
-    return nn.with_logical_partitioning(init_in_f32, axes)
+    return nn.with_logical_partitioning(init, axes)
 
 
 class MlpBlock(nn.Module):

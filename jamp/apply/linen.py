@@ -1,4 +1,4 @@
-"""Applying a precision policy to Flax linen modules.
+"""The linen adapter: a precision policy applied to Flax linen modules.
 
 Flax has no equivalent of Haiku's ``hk.mixed_precision.set_policy``: users write
 ``dtype=``/``param_dtype=`` on every layer by hand. jamp does it at a distance
@@ -55,11 +55,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-import jamp.nnx as jamp_nnx
 from jamp import attention, fp8
-from jamp.autocast import Rules, cast_floating, rewrite
+from jamp.apply import core
+from jamp.autocast import rewrite
 from jamp.policy import (
     MixedPrecision,
     OverrideKey,
@@ -69,11 +68,9 @@ from jamp.policy import (
     to_mixed_precision,
 )
 
-_cast_floating = cast_floating
-
-
-def _floating(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
+NORM_CLASSES: tuple[type, ...] = (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm)
+"""linen's norms: what :data:`jamp.policy.NORMS` stands for in a linen model."""
+core.NORMS.register(*NORM_CLASSES)
 
 
 def _is_float_dtype(arg: Any) -> bool:
@@ -88,7 +85,7 @@ def _draw_in_float32(init_fn: Callable[..., Any], param_dtype: Any) -> Callable[
     def init(key, *args, **kwargs):
         args = [jnp.float32 if _is_float_dtype(a) else a for a in args]
         kwargs = {k: jnp.float32 if _is_float_dtype(a) else a for k, a in kwargs.items()}
-        return _cast_floating(init_fn(key, *args, **kwargs), param_dtype)
+        return core.cast_floating(init_fn(key, *args, **kwargs), param_dtype)
 
     return init
 
@@ -101,7 +98,7 @@ def _policy_param(module: nn.Module, policy: Policy) -> Callable[..., Any]:
               **init_kwargs):
         value = nn.Module.param(module, name, _draw_in_float32(init_fn, policy.param_dtype),
                                 *init_args, unbox=unbox, **init_kwargs)
-        return _cast_floating(value, policy.compute_dtype)
+        return core.cast_floating(value, policy.compute_dtype)
 
     return param
 
@@ -127,7 +124,7 @@ def _keep_carry_dtype(out: Any, args: tuple) -> Any:
     old_leaves, old_def = jax.tree_util.tree_flatten(old)
     new_leaves, new_def = jax.tree_util.tree_flatten(new)
     if not old_leaves or old_def != new_def or not all(
-            _floating(a) and _floating(b) and a.shape == b.shape
+            core.is_floating(a) and core.is_floating(b) and a.shape == b.shape
             for a, b in zip(old_leaves, new_leaves, strict=True)):
         return out
     carry = jax.tree_util.tree_map(lambda b, a: b.astype(a.dtype), new, old)
@@ -143,13 +140,14 @@ def _configure(module: nn.Module, mp: MixedPrecision, policy: Policy) -> bool:
     _set_field(module, "param_dtype", policy.param_dtype)
     if (
         mp.softmax_fp32
-        and jnp.dtype(policy.compute_dtype) != jnp.float32
+        and not core.computes_in_float32(policy)
         and getattr(module, "attention_fn", None) is nn.dot_product_attention
     ):
         _set_field(module, "attention_fn", attention.dot_product_attention)
     _set_field(module, "softmax_fp32", mp.softmax_fp32)
-    # fp8 matmuls where no override applies; an nn.RNN shares its cell's state over steps
-    in_fp8 = mp.fp8 is not None and policy is mp.policy and fp8.linen_install(module, mp.fp8)
+    # fp8 matmuls where core's rule says so; an nn.RNN shares its cell's state over steps
+    recipe = core.fp8_recipe_for(mp, policy, module.name)
+    in_fp8 = recipe is not None and fp8.linen_install(module, recipe)
     if mp.fp8 is not None:
         fp8.linen_share_over_steps(module, mp.fp8)
     # An instance attribute shadows Module.param for this bound clone only.
@@ -163,14 +161,6 @@ _EINSUM_CALL = inspect.unwrap(nn.Einsum.__call__)
 def _runs_einsum_call(context: Any) -> bool:
     """Whether the intercepted method is ``nn.Einsum``'s own ``__call__`` (not a subclass's)."""
     return getattr(context.orig_method, "func", None) is _EINSUM_CALL
-
-
-def _softmax_rules(mp: MixedPrecision) -> Rules | None:
-    """The rules of a policy-wrapped ``apply``: only softmax, and only where it is float32."""
-    rules = Rules.for_recipe(mp)
-    if not rules.softmax:
-        return None
-    return dataclasses.replace(rules, cast_dots=False, float32_ops=False)
 
 
 @dataclasses.dataclass
@@ -210,10 +200,10 @@ def _make_interceptor(mp: MixedPrecision, root: Sequence[str] = (), paths: _Path
         call = next_fun
         if in_fp8 and _runs_einsum_call(context):  # nn.Einsum: no dot_general hook
             call = functools.partial(fp8.linen_einsum, module, mp.fp8)
-        out = call(*_cast_floating(args, policy.compute_dtype),
-                   **_cast_floating(kwargs, policy.compute_dtype))
+        out = call(*core.cast_floating(args, policy.compute_dtype),
+                   **core.cast_floating(kwargs, policy.compute_dtype))
         if override is not None:
-            out = _cast_floating(out, policy.output_dtype)
+            out = core.cast_floating(out, policy.output_dtype)
         return _keep_carry_dtype(out, args)
 
     return interceptor
@@ -306,7 +296,7 @@ class PolicyModule(nn.Module):
         with nn.intercept_methods(_make_interceptor(self.precision, self.path, paths)):
             out = fn(self.inner, *args, **kwargs)
         paths.check(self.precision, type(self.inner).__name__)
-        return _cast_floating(out, self.precision.policy.output_dtype)
+        return core.cast_floating(out, self.precision.policy.output_dtype)
 
     def _method(self, method: Any) -> Callable[..., Any]:
         if method is None or getattr(method, "__func__", method) in (
@@ -338,7 +328,7 @@ class PolicyModule(nn.Module):
           dtype('float32')
         """
         apply = functools.partial(super().apply, method=self._method(method))
-        rules = _softmax_rules(self.precision)
+        rules = core.softmax_rules(self.precision)
         if rules is not None:
             apply = rewrite(apply, rules)
         return apply(variables, *args, **kwargs)
@@ -356,86 +346,22 @@ class PolicyModule(nn.Module):
         return super().init_with_output(rngs, *args, method=self._method(method), **kwargs)
 
 
-def apply_policy(
-    module: nn.Module | nnx.Module,
-    policy_or_mode: PolicyLike,
-    overrides: Mapping[OverrideKey, Any] | None = None,
-) -> PolicyModule | nnx.Module:
-    """Returns ``module`` wrapped to run under a precision policy.
-
-    The result is a normal Flax module: use ``init``/``apply`` as usual. The
-    parameter tree is the same as ``module``'s; parameters are created in the
-    param dtype, every submodule computes in the compute dtype (except modules
-    with an override: by default the norms run in float32 and return the
-    compute dtype, and attention softmax runs in float32), and the top-level
-    output is in the output dtype.
-
-    Overrides come in two kinds. A *module class* key applies to that class and
-    its subclasses. A *string* key is a regular expression matched in full
-    (``re.fullmatch``, as Keras 3's ``DTypePolicyMap``) against each module's
-    path, its names joined with ``"/"``: ``"head"``, ``"Conv_0"``,
-    ``"Encoder_0/.*"`` (the modules inside ``Encoder_0``); the paths are those of
-    ``module.init``'s parameter tree, ``setup`` attribute names and lifted
-    modules (``"ScanBlock_0/Dense_0"``) included. A path pattern beats a class
-    override, which beats the mode's policy. A key equal to the path wins;
-    otherwise a path matched by two patterns is a ``ValueError`` naming both,
-    raised when the module is first reached (at ``init``); a pattern matching no
-    module called by ``init`` through ``__call__`` is a ``ValueError`` naming it
-    and listing the real paths. Values are policies or policy strings
-    (``"f32"``, ``"p=f32,c=bf16,o=f32"``); a module under an override returns
-    its override's output dtype.
-
-    An ``nnx.Module`` is put under the policy in place and returned (see
-    :mod:`jamp.nnx`); its paths are graph paths (``"blocks/0/mlp"``).
-
-    Args:
-      module: any ``flax.linen.Module``, with or without dtype arguments, or
-        any ``flax.nnx.Module``.
-      policy_or_mode: a mode name (``"fp16"``, ``"bf16"``, ``"O2"``...), a
-        jmp-style policy string, a ``jamp.Policy`` or a ``jamp.MixedPrecision``.
-      overrides: optional ``{module class or path pattern: policy}``. Its classes
-        replace the mode's class overrides (the float32 norms: pass them along to
-        keep them) and its patterns the recipe's patterns; a kind it does not
-        mention is kept, so ``{"head": "f32"}`` keeps the float32 norms (see
-        :func:`jamp.policy.replace_overrides`). A subclass follows its parent's
-        override unless it has its own.
-
-    Returns:
-      A :class:`PolicyModule` wrapping ``module``.
+def apply_recipe(module: nn.Module, mp: MixedPrecision) -> PolicyModule:
+    """``module`` wrapped in a :class:`PolicyModule` (:func:`jamp.apply_policy` for linen).
 
     Raises:
-      ValueError: for an override key that is neither a module class nor a valid
-        regular expression, or a value that is not a policy.
+      ValueError: for a module bound inside another module's scope.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jamp
-      >>> model = jamp.apply_policy(nn.Dense(4), "bf16_pure")
-      >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
-      >>> v["params"]["kernel"].dtype
+      >>> from jamp.apply import linen
+      >>> model = linen.apply_recipe(nn.Dense(4), jamp.mixed_precision("bf16_pure"))
+      >>> model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]["kernel"].dtype
       dtype(bfloat16)
-
-      Keep the classifier head in float32 (bfloat16 elsewhere):
-
-      >>> class Net(nn.Module):
-      ...   @nn.compact
-      ...   def __call__(self, x):
-      ...     return nn.Dense(2, name="head")(nn.relu(nn.Dense(8)(x)))
-      >>> model = jamp.apply_policy(Net(), "bf16_pure", overrides={"head": "f32"})
-      >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
-      >>> v["params"]["head"]["kernel"].dtype, v["params"]["Dense_0"]["kernel"].dtype
-      (dtype('float32'), dtype(bfloat16))
     """
-    if isinstance(module, nnx.Module):  # NNX: the same policy, in place (jamp.nnx)
-        return jamp_nnx.apply_policy(module, policy_or_mode, overrides)
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"apply_policy expects a flax.linen.Module or flax.nnx.Module, got "
-            f"{type(module).__name__}. "
-            "For a plain function, cast with jamp.get_policy(...).cast_to_compute instead."
-        )
     if module.scope is not None:
         raise ValueError(
             "apply_policy needs an unbound module (the one you call .init/.apply on), "
             "not one bound inside another module's scope. Use jamp.policy_scope there."
         )
-    return PolicyModule(inner=module, precision=to_mixed_precision(policy_or_mode, overrides))
+    return PolicyModule(inner=module, precision=mp)
