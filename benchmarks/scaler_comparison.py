@@ -1,32 +1,24 @@
 """A loss-scaled float16 train step in jamp, Flax, optax, jmp and mpx: speed and exactness.
 
-Every library trains the same float32-parameter MLP (256 -> 3 x 512 -> 10, GELU;
-params and inputs cast to float16 inside the loss, logits back to float32) with
-AdamW, in its documented pattern: ``jamp.DynamicLossScale(adamw)`` +
-``jamp.scale_loss``; Flax ``DynamicScale.value_and_grad`` + a ``jnp.where`` skip of
-params and opt_state (Flax's examples); ``optax.apply_if_finite`` (a skip, no loss
-scale); ``jmp.DynamicLossScale`` + ``jmp.select_tree``; mpx's
-``filter_value_and_grad`` + ``optimizer_update``. Steps are jitted (params and
-optimizer state donated), warmed up and timed alternating, rotating the order
-each round; the ratio is each median over the unscaled float16 step's.
-
-Small deterministic scenarios then measure, per library: whether a step with an
-inf, -inf or NaN gradient leaves params and the optimizer's state bit-identical
-(Adam's count included) and lowers the scale; whether the gradient the optimizer
-gets on the step where the scale grows is the true one; the largest scale reached
-in 200 finite steps (default bounds, growth every step); where the scale lives.
+Each library trains the same MLP (256 -> 3 x 512 -> 10, GELU; float32 params and
+inputs cast to float16 inside the loss) with AdamW in its documented pattern:
+``jamp.DynamicLossScale(adamw)`` + ``jamp.scale_loss``; Flax ``DynamicScale`` + a
+``jnp.where`` skip of params and opt_state (Flax's examples); ``optax.apply_if_finite``
+(a skip, no loss scale); ``jmp.DynamicLossScale`` + ``jmp.select_tree``; mpx's
+``filter_value_and_grad`` + ``optimizer_update``. Steps are jitted (params and opt_state
+donated), warmed up, timed round-robin; ratio = median over the unscaled float16 step's.
+Small deterministic scenarios (:func:`facts`) then measure what each skip and scale does.
 
 Usage::
 
-  python -m benchmarks.scaler_comparison          # batch 128 and 512, writes results/
-  python -m benchmarks.scaler_comparison --quick  # smoke run, writes nothing
+  python -m benchmarks.scaler_comparison                   # batch 128 and 512, writes results/
+  python -m benchmarks.scaler_comparison --quick           # smoke run, writes nothing
   python -m benchmarks.scaler_comparison --libs jamp,flax  # a subset
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.metadata
 import statistics
 import time
@@ -42,6 +34,9 @@ from benchmarks import common
 
 F16, F32 = jnp.float16, jnp.float32
 LIBS = ("jamp", "flax", "optax", "jmp", "mpx")
+BAD, FACTS = ("inf", "-inf", "nan"), ("backoff_nan", "growth_grad_ratio", "max_scale",
+                                      "scale_in_opt_state")
+DIST_MPX = "mixed-precision-for-jax"  # import name mpx; not a jamp dependency
 NAMES = {"f16": "float16, no loss scale", "jamp": "jamp.DynamicLossScale",
          "flax": "flax DynamicScale", "optax": "optax.apply_if_finite",
          "jmp": "jmp.DynamicLossScale", "mpx": "mpx.DynamicLossScaling"}
@@ -50,43 +45,41 @@ NAMES = {"f16": "float16, no loss scale", "jamp": "jamp.DynamicLossScale",
 def variant(lib: str, loss, tx, scale: float = 2.0**15, period: int = 2000):
     """``(init(p) -> (opt_state, scaler), step(p, s, scaler, x, y), inner(s), scale(s, scaler))``.
 
-    ``inner`` is the wrapped optimizer's own state; ``scale`` the loss scale (``None``
-    without one). ``scaler`` is ``None`` where the scale lives in ``opt_state``.
+    ``step`` returns ``(p, s, scaler, loss)``; ``inner`` gives the wrapped optimizer's
+    own state, ``scale`` the loss scale (``None`` without one); ``scaler`` is ``None``
+    where the scale lives in ``opt_state``. Raises ``ImportError`` without the library.
     """
-    own, none = (lambda s: s), (lambda s, c: None)
-    where = lambda fin, new, old: jax.tree.map(functools.partial(jnp.where, fin), new, old)
+    def apply(g, s, p, keep=None, select=optax.tree_utils.tree_where):  # keep: skip if False
+        u, new_s = tx.update(g, s, p)
+        new_p = optax.apply_updates(p, u)
+        return (new_p, new_s) if keep is None else (select(keep, new_p, p), select(keep, new_s, s))
 
-    def apply(g, s, p):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
+    def plain(p, s, c, x, y):
+        value, g = jax.value_and_grad(loss)(p, x, y)
+        return *apply(g, s, p), c, value
 
-    if lib in ("f16", "optax"):
-        tx = optax.apply_if_finite(tx, max_consecutive_errors=10) if lib == "optax" else tx
-
-        def step(p, s, c, x, y):
-            value, g = jax.value_and_grad(loss)(p, x, y)
-            return *apply(g, s, p), c, value
-        return (lambda p: (tx.init(p), None)), step, (
-            (lambda s: s.inner_state) if lib == "optax" else own), none
+    if lib == "f16":
+        return lambda p: (tx.init(p), None), plain, lambda s: s, lambda s, c: None
+    if lib == "optax":
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=10)
+        return lambda p: (tx.init(p), None), plain, lambda s: s.inner_state, lambda s, c: None
     if lib == "jamp":
         tx = jamp.DynamicLossScale(tx, init_scale=scale, growth_interval=period)
 
         def step(p, s, c, x, y):
             value, g = jax.value_and_grad(lambda q: jamp.scale_loss(loss(q, x, y), s))(p)
             return *apply(g, s, p), c, value
-        return ((lambda p: (tx.init(p), None)), step, lambda s: s.inner_state,
+        return (lambda p: (tx.init(p), None), step, lambda s: s.inner_state,
                 lambda s, c: jamp.loss_scale(s))
     if lib == "flax":
         from flax.training.dynamic_scale import DynamicScale
 
-        def step(p, s, ds, x, y):
+        def step(p, s, ds, x, y):  # Flax's examples: jnp.where over params and opt_state
             ds, fin, value, g = ds.value_and_grad(loss)(p, x, y)
-            new_p, new_s = apply(g, s, p)
-            return where(fin, new_p, p), where(fin, new_s, s), ds, value
-        init = lambda p: (tx.init(p), DynamicScale(growth_interval=period - 1,
-                                                   fin_steps=jnp.zeros((), jnp.int32),
-                                                   scale=jnp.asarray(scale, F32)))
-        return init, step, own, lambda s, ds: ds.scale
+            return *apply(g, s, p, fin), ds, value
+        return (lambda p: (tx.init(p), DynamicScale(  # grows on the (interval + 1)-th step
+            growth_interval=period - 1, fin_steps=jnp.zeros((), jnp.int32),
+            scale=jnp.asarray(scale, F32))), step, lambda s: s, lambda s, ds: ds.scale)
     if lib == "jmp":
         import jmp
 
@@ -94,20 +87,26 @@ def variant(lib: str, loss, tx, scale: float = 2.0**15, period: int = 2000):
             value, g = jax.value_and_grad(lambda q: ls.scale(loss(q, x, y)))(p)
             g = ls.unscale(g)
             fin = jmp.all_finite(g)
-            new_p, new_s = apply(g, s, p)
-            return jmp.select_tree(fin, new_p, p), jmp.select_tree(fin, new_s, s), \
-                ls.adjust(fin), value
-        init = lambda p: (tx.init(p), jmp.DynamicLossScale(jnp.asarray(scale, F32),
-                                                           period=period))
-        return init, step, own, lambda s, ls: ls.loss_scale
-    import mpx  # "mpx": raises ImportError when mixed-precision-for-jax is not installed
+            return *apply(g, s, p, fin, jmp.select_tree), ls.adjust(fin), value
+        return (lambda p: (tx.init(p), jmp.DynamicLossScale(
+            jnp.asarray(scale, F32), period=period)), step, lambda s: s,
+            lambda s, ls: ls.loss_scale)
+    import mpx
 
-    def step(p, s, ls, x, y):
+    def step(p, s, ls, x, y):  # mpx casts the arguments to float16 itself
         value, ls, fin, g = mpx.filter_value_and_grad(loss, scaling=ls)(p, x, y)
         return *mpx.optimizer_update(p, tx, s, g, fin), ls, value
-    init = lambda p: (tx.init(p), mpx.DynamicLossScaling(
-        jnp.asarray(scale, F32), jnp.asarray(1.0, F32), period=period))
-    return init, step, own, lambda s, ls: ls.loss_scaling
+    return (lambda p: (tx.init(p), mpx.DynamicLossScaling(
+        jnp.asarray(scale, F32), jnp.asarray(1.0, F32), period=period)),
+        step, lambda s: s, lambda s, ls: ls.loss_scaling)
+
+
+def version(dist: str) -> str:
+    """The installed version of ``dist``, or ``"not installed"``."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def mlp(width: int, depth: int, batch: int):
@@ -200,47 +199,44 @@ def facts(lib: str) -> dict[str, Any]:
 
 
 def to_markdown(r: dict[str, Any]) -> str:
-    """The results file: how it was measured, the step times, the scenario facts."""
-    m, rows, batches = r["machine"], r["rows"], r["batches"]
+    """The results file: how it was measured, then one row per library."""
+    m, rows, bs = r["machine"], r["rows"], r["batches"]
     lines = [
         "# Loss-scaled float16 train step: jamp vs Flax, optax, jmp, mpx", "",
         f"- command: `{r['command']}`",
         f"- date: {r['date']}; device: {r['device']} ({r['platform']}); host {m['processor']}, "
-        f"{m['cpus']} CPUs ({m['platform']}, load {m['load_avg_1m']}); " + ", ".join(
-            f"{k} {v}" for k, v in r["versions"].items()),
-        f"- model: MLP 256 -> {r['depth']} x {r['width']} -> 10 (GELU), float32 params, "
-        "float16 compute, AdamW; jit, params and opt_state donated",
+        f"{m['cpus']} CPUs ({m['platform']}), 1-min load {r['load_before']} before, "
+        f"{m['load_avg_1m']} after; " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
+        f"- model: MLP 256 -> {r['depth']} x {r['width']} -> 10 (GELU), float32 params, float16 "
+        "compute, AdamW; jit, params and opt_state donated",
         f"- timing: {r['warmup']} warm-up + {r['steps']} steps per library, round-robin; "
-        "medians; ratio over the float16 step without loss scaling", "",
-        "| library | " + " | ".join(f"ms/step b{b} | ratio b{b}" for b in batches)
-        + " | skip exact inf/-inf/NaN | backs off on NaN | growth-step grad (x true) "
-        "| max scale | scale in opt_state |", "|---" * (6 + 2 * len(batches)) + "|"]
-    for lib in [lib for lib in ("f16", *LIBS) if lib in rows]:
-        row = rows[lib]
-        if not row.get("installed", True):
-            lines.append(f"| {NAMES[lib]} | not installed |")
+        "medians; ratio = over the float16 step without loss scaling",
+        "- facts: from the scenarios of `facts()` (exact = params and the optimizer's state "
+        "bit-identical; growth grad = gradient given to the optimizer on a growth step / true "
+        "gradient; max scale = reached in 200 finite steps, growth after each, default bounds)",
+        "", "| library | " + " | ".join(f"ms b{b} | ratio b{b}" for b in bs) + " | skip exact "
+        "inf/-inf/NaN | backs off on NaN | growth grad | max scale | scale in opt_state |",
+        "|---" * (6 + 2 * len(bs)) + "|"]
+    show = lambda v: "—" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)
+    for lib, row in rows.items():
+        if "error" in row:
+            lines.append(f"| {NAMES[lib]} | not installed ({row['error']}) |")
             continue
+        f = row.get("facts") or dict.fromkeys(FACTS)
         cells = [f"{row['ms'][str(b)]:.3f} | {row['ms'][str(b)] / rows['f16']['ms'][str(b)]:.3f}"
-                 for b in batches]
-        f = row.get("facts")
-        if f:
-            show = lambda v: "—" if v is None else str(v)
-            cells += ["/".join(show(f[f"skip_exact_{k}"]) for k in ("inf", "-inf", "nan")),
-                      show(f["backoff_nan"]), show(f["growth_grad_ratio"]),
-                      "—" if f["max_scale"] is None else f"{f['max_scale']:.6g}",
-                      show(f["scale_in_opt_state"])]
-        lines.append(f"| {NAMES[lib]} | " + " | ".join(cells) + (" |" * (1 + 5 * (not f))))
+                 for b in bs] + ["/".join(show(f.get(f"skip_exact_{k}")) for k in BAD)]
+        lines.append(f"| {NAMES[lib]} | " + " | ".join(cells + [show(f[k]) for k in FACTS]) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Times every library at every batch, runs the scenarios, writes the results file."""
+    """Runs the scenarios, times every library at every batch, writes the results file."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", default="128,512", help="comma-separated batch sizes")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--libs", default=",".join(LIBS), help="comma-separated, of " + str(LIBS))
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="tiny smoke run; writes nothing")
     ap.add_argument("--no-write", action="store_true")
@@ -248,30 +244,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.quick:
         args.batch, args.width, args.depth, args.steps, args.warmup = "8", 16, 1, 2, 2
-    batches = [int(b) for b in args.batch.split(",")]
+    batches, load_before = [int(b) for b in args.batch.split(",")], common.machine()["load_avg_1m"]
     rows: dict[str, dict[str, Any]] = {"f16": {"ms": {}}}
     for lib in [lib for lib in LIBS if lib in args.libs.split(",")]:
         try:
             rows[lib] = {"ms": {}, "facts": facts(lib)}
         except ImportError as e:
-            rows[lib] = {"installed": False, "error": str(e)}
-    libs = [lib for lib in LIBS if lib in rows and rows[lib].get("installed", True)]
+            rows[lib] = {"error": str(e)}
+    libs = [lib for lib in rows if "error" not in rows[lib]][1:]
     for b in batches:
         for lib, ms in time_all(libs, args.width, args.depth, b, args.warmup, args.steps).items():
             rows[lib]["ms"][str(b)] = ms
-        print(f"batch {b}: " + ", ".join(f"{lib} {rows[lib]['ms'][str(b)]:.3f} ms"
-                                         for lib in ("f16", *libs)), flush=True)
-    versions = {}
-    for dist in ("jax", "optax", "flax", "jmp", "mixed-precision-for-jax", "equinox"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = "not installed"
-    result = dict(**common.header("scaler_comparison", argv), versions=versions, batches=batches,
-                  width=args.width, depth=args.depth, steps=args.steps, warmup=args.warmup,
-                  rows=rows)
-    markdown = to_markdown(result)
-    print(markdown)
+        print(f"batch {b}: " + ", ".join(f"{k} {rows[k]['ms'][str(b)]:.3f} ms" for k in rows
+                                         if "ms" in rows[k]), flush=True)
+    result = dict(**common.header("scaler_comparison", argv), load_before=load_before,
+                  versions={d: version(d) for d in ("jax", "optax", "flax", "jmp", DIST_MPX)},
+                  batches=batches, width=args.width, depth=args.depth, steps=args.steps,
+                  warmup=args.warmup, rows=rows)
+    print(markdown := to_markdown(result))
     if not (args.no_write or args.quick):
         common.write_results(common.results_stem(args.out_dir, "scaler_comparison",
                                                  result["platform"]), result, markdown)
