@@ -1,14 +1,15 @@
-"""Helpers shared by the benchmarks: flags, results files, device peaks, timing, batch search.
+"""Helpers shared by the benchmarks: flags, timing, batch search, results files and tables.
 
-Every benchmark runs from the repository root as ``python -m benchmarks.<name>``.
-Its flags come from :func:`parser`, :func:`add_timing` and :func:`add_vit`; its
-results file starts with :func:`header` and is written by :func:`write_results`.
-Nothing here starts a JAX backend, so the PyTorch baseline uses it too.
+Every benchmark runs from the repository root as ``python -m benchmarks.<name>``. Its
+flags come from :func:`parser` and :func:`add_vit`; its results file starts with
+:func:`header`, its tables come from :func:`table` and it is written by
+:func:`write_results`. Nothing here starts a JAX backend, so the PyTorch baseline uses
+it too.
 
 Example:
-  >>> args = parser(__doc__).parse_args(["--no-write"])
-  >>> args.no_write, args.out_dir == str(RESULTS)
-  (True, True)
+  >>> args = parser(__doc__, timing=(20, 3)).parse_args(["--no-write"])
+  >>> args.no_write, args.out_dir == str(RESULTS), args.steps, args.warmup
+  (True, True, 20, 3)
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from jamp.models import sizes
 from jamp.policy import mixed_precision
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,6 +48,20 @@ def peak_tflops(device_kind: str | None) -> float | None:
     return next((tf for key, tf in _PEAKS.items() if key in (device_kind or "").lower()), None)
 
 
+def train_flops(args: argparse.Namespace) -> float:
+    """Analytic training FLOPs per image of the ViT step of ``args`` (:func:`add_vit` flags).
+
+    Example:
+      >>> a = argparse.Namespace(variant="b16", image_size=224, patch_size=16,
+      ...                        num_classes=1000, num_layers=None)
+      >>> round(train_flops(a) / 1e9, 1)
+      105.4
+    """
+    return sizes.train_flops_per_image(args.variant, image_size=args.image_size,
+                                       patch_size=args.patch_size,
+                                       num_classes=args.num_classes, num_layers=args.num_layers)
+
+
 def mfu(images_per_sec: float | None, flops_per_image: float, peak: float | None) -> float | None:
     """Model FLOPs utilisation: achieved FLOP/s over the device's peak (``None`` if unknown).
 
@@ -58,22 +74,26 @@ def mfu(images_per_sec: float | None, flops_per_image: float, peak: float | None
     return images_per_sec * flops_per_image / (peak * 1e12)
 
 
-def time_steps(step: Callable[[], Any], *, warmup: int, steps: int) -> list[float]:
-    """Runs ``step`` ``warmup + steps`` times; returns the wall times of the timed ones (s).
+def time_steps(runs: dict[str, Callable[[], Any]], *, warmup: int, steps: int,
+               alternate: bool = False) -> dict[str, list[float]]:
+    """Calls each of ``runs`` in turn, ``warmup + steps`` rounds; the timed wall times (s).
 
-    ``step`` must block until its work is done (``block_until_ready`` /
-    ``torch.cuda.synchronize``) so each time is the step's own.
+    Each run must block until its work is done (``block_until_ready`` /
+    ``torch.cuda.synchronize``) so each time is its own; taking them in turn lets drift
+    in the machine's load hit all alike. ``alternate`` reverses the order every other round.
 
     Example:
-      >>> len(time_steps(lambda: None, warmup=2, steps=3))
-      3
+      >>> {name: len(t) for name, t in time_steps({"a": lambda: None}, warmup=2,
+      ...                                          steps=3).items()}
+      {'a': 3}
     """
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        for name in list(runs)[::-1] if alternate and i % 2 else list(runs):
+            t0 = time.perf_counter()
+            runs[name]()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
     return times
 
 
@@ -93,13 +113,11 @@ def summarize_times(times: list[float], batch: int) -> dict[str, float]:
 
 def largest_batch(fits: Callable[[int], bool], start: int, *, granularity: int = 8,
                   cap: int = 1 << 16, step: int | None = None) -> int | None:
-    """The largest multiple of ``granularity`` for which ``fits(batch)`` holds.
+    """The largest multiple of ``granularity`` for which ``fits(batch)`` holds (monotone).
 
-    Walks away from ``start`` (a guess) in steps that double (the first is
-    ``step``, by default an eighth of ``start``) until the answer changes, then
-    bisects; assumes ``fits`` is monotone. With a good guess and
-    ``step=granularity`` it takes two calls. Returns ``None`` when not even
-    ``granularity`` fits.
+    Walks away from ``start`` (a guess) in steps that double (the first is ``step``, by
+    default an eighth of ``start``) until the answer changes, then bisects: with a good
+    guess and ``step=granularity``, two calls. ``None`` when not even ``granularity`` fits.
 
     Example:
       >>> largest_batch(lambda b: b <= 300, start=128)
@@ -165,9 +183,9 @@ def header(script: str, argv: list[str] | None, benchmark: str | None = None,
            with_jax: bool = True) -> dict[str, Any]:
     """The fields a results file starts with: what ran, when, how, where, with which jax.
 
-    ``command`` reproduces the run (``argv`` defaults to ``sys.argv``);
-    ``benchmark``, the results file's kind, defaults to ``script``. With
-    ``with_jax``, the JAX platform, device kind and version (this starts JAX).
+    ``command`` reproduces the run (``argv`` defaults to ``sys.argv``); ``benchmark``,
+    the results file's kind, defaults to ``script``. ``with_jax`` adds the JAX platform,
+    device kind and version (this starts JAX).
 
     Example:
       >>> h = header("run_all", ["--steps", "1"], "throughput", with_jax=False)
@@ -230,8 +248,8 @@ def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
     """Formats a number, or ``"n/a"`` for ``None``/NaN.
 
     Example:
-      >>> fmt(1234.5, ",.0f"), fmt(None)
-      ('1,234', 'n/a')
+      >>> fmt(1234.5, ",.0f"), fmt(None), fmt(1.5, ".2f", "x")
+      ('1,234', 'n/a', '1.50x')
     """
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
@@ -248,6 +266,17 @@ def gib(nbytes: int | None) -> str:
     if nbytes is not None and nbytes < 2**30:
         return fmt(nbytes / 2**20, ".1f", " MiB")
     return fmt(None if nbytes is None else nbytes / 2**30, ".2f", " GiB")
+
+
+def table(columns: str, rows: Iterable[Iterable[Any]]) -> list[str]:
+    """The lines of a Markdown table: the ``|``-separated ``columns``, then a row of cells each.
+
+    Example:
+      >>> table("mode | img/s", [("fp32", 1.5)])
+      ['| mode | img/s |', '|---|---|', '| fp32 | 1.5 |']
+    """
+    return [f"| {columns} |", "|---" * (columns.count("|") + 1) + "|",
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
 
 
 def accuracy_cells(row: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, str]:
@@ -303,10 +332,12 @@ def modes(text: str) -> list[str]:
     return [mixed_precision(name).name for name in split(text)]
 
 
-def parser(doc: str, json_out: bool = False) -> argparse.ArgumentParser:
+def parser(doc: str, json_out: bool = False,
+           timing: tuple[int | None, int | None] | None = None) -> argparse.ArgumentParser:
     """A parser described by ``doc``'s first line, with ``--out-dir``/``--no-write``.
 
-    With ``json_out``, ``--json`` instead (the processes of ``run_all``).
+    With ``json_out``, ``--json`` instead (the processes of ``run_all``); with
+    ``timing=(steps, warmup)``, ``--steps`` and ``--warmup`` with those defaults.
 
     Example:
       >>> parser("Counts.", json_out=True).parse_args(["--json", "r.json"]).json
@@ -318,14 +349,11 @@ def parser(doc: str, json_out: bool = False) -> argparse.ArgumentParser:
     else:
         ap.add_argument("--out-dir", default=str(RESULTS), help="where to write the results")
         ap.add_argument("--no-write", action="store_true", help="print only")
+    if timing is not None:
+        ap.add_argument("--steps", type=int, default=timing[0], help="timed steps")
+        ap.add_argument("--warmup", type=int, default=timing[1],
+                        help="untimed steps first (compiling ones included)")
     return ap
-
-
-def add_timing(ap: argparse.ArgumentParser, steps: int | None, warmup: int | None) -> None:
-    """Adds ``--steps`` (timed steps) and ``--warmup``: ``add_timing(ap, 20, 3)``."""
-    ap.add_argument("--steps", type=int, default=steps, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=warmup,
-                    help="untimed steps first (compiling ones included)")
 
 
 def add_vit(ap: argparse.ArgumentParser, variant: str | None = "b16", batch: int = 128) -> None:

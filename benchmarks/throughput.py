@@ -1,28 +1,25 @@
 """Training throughput, memory and MFU of a jamp ViT per precision mode.
 
-For each mode, builds ``jamp.apply_policy(vit.create(...), mode)`` with AdamW
-wrapped by ``jamp.make_optimizer`` (the mode's loss scale, master weights),
-places a synthetic batch on the device (no input pipeline), compiles
-``jamp.train_step`` with the train state donated, runs warm-up steps, then times
-steps one by one with ``block_until_ready``. Reports per mode:
+For each mode, builds ``jamp.apply_policy(vit.create(...), mode)`` with AdamW wrapped by
+``jamp.make_optimizer``, places a synthetic batch on the device (no input pipeline),
+compiles ``jamp.train_step`` with the train state donated, runs warm-up steps, then
+times steps one by one with ``block_until_ready``. Reports per mode:
 
 - images/s from the median step time (and the p10/p90 step times);
-- peak device memory from ``device.memory_stats()`` (GPU/TPU; ``None`` on CPU).
-  The allocator's peak covers the whole process, so for one figure per mode run
-  one mode per process (``run_all`` does);
+- peak device memory from ``device.memory_stats()`` (GPU/TPU; ``None`` on CPU). It covers
+  the whole process: for one figure per mode run one mode per process (``run_all`` does);
 - the compiled step's XLA memory analysis (arguments + outputs - aliased + temps);
-- the JAX-level memory report (``jamp.memory_report``: params, grads, optimizer
-  state, residuals, activations);
-- MFU: analytic training FLOPs per image (``sizes.train_flops_per_image``)
-  times images/s over the device's dense bf16/fp16 peak (known GPUs only);
-- with ``--max-batch``: the largest batch (multiple of 8) whose compiled step
-  fits the device's memory limit, from XLA's compile-time memory analysis
-  (two compiles give bytes per example, the search starts at the predicted
-  batch), then confirmed by running two steps (GPU; on CPU only with an explicit
-  ``--memory-limit-gib``, without the confirmation, else ``None``).
+- the JAX-level memory report (``jamp.memory_report``: params, grads, optimizer state,
+  residuals, activations);
+- MFU: analytic training FLOPs per image times images/s over the device's dense
+  bf16/fp16 peak (known GPUs only);
+- with ``--max-batch``: the largest batch (multiple of 8) whose compiled step fits the
+  device's memory limit by XLA's compile-time memory analysis (two compiles give bytes
+  per example, the search starts at the predicted batch), confirmed by running two steps
+  (GPU; on CPU only with an explicit ``--memory-limit-gib``, unconfirmed, else ``None``).
 
-XLA:CPU computes float16/bfloat16 by upcasting to float32, so CPU runs show
-that the pipeline works, not what half precision gains.
+XLA:CPU computes float16/bfloat16 by upcasting to float32, so CPU runs show that the
+pipeline works, not what half precision gains.
 
 Usage::
 
@@ -53,27 +50,28 @@ from jamp.models import sizes, vit
 from jamp.step import cross_entropy
 
 
+def vit_module(args: argparse.Namespace) -> nn.Module:
+    """The ViT of ``args`` (``variant``, ``patch_size``, ``num_classes``, ``remat``...)."""
+    layers = {"num_layers": args.num_layers} if args.num_layers else {}
+    return vit.create(args.variant, num_classes=args.num_classes,
+                      patch_size=args.patch_size or 16, remat=args.remat, **layers)
+
+
 def build_model(mode: str | jamp.MixedPrecision, args: argparse.Namespace) -> nn.Module:
-    """The ViT of ``args`` (``variant``, ``patch_size``, ``num_classes``...) under a mode's policy.
+    """The ViT of ``args`` under a mode's policy.
 
     Example:
       >>> args = parse_args(["--variant", "ti4", "--num-layers", "1"])
       >>> build_model("bf16", args).inner.num_layers
       1
     """
-    layers = {"num_layers": args.num_layers} if args.num_layers else {}
-    return jamp.apply_policy(vit.create(args.variant, num_classes=args.num_classes,
-                                        patch_size=args.patch_size or 16, remat=args.remat,
-                                        **layers), mode)
+    return jamp.apply_policy(vit_module(args), mode)
 
 
-def loss_fn(model: nn.Module,
-            collections: dict[str, Any] | None = None) -> Callable[[Any, jax.Array, jax.Array],
-                                                                  jax.Array]:
-    """``loss(params, images, labels)``: the float32 cross-entropy of a train-mode forward pass.
+def loss_fn(model: nn.Module, collections: dict[str, Any] | None = None) -> Callable:
+    """``loss(params, images, labels)``: the float32 cross-entropy of a train-mode pass.
 
-    ``collections``: other variables the forward pass reads (mode "fp8": the
-    delayed-scaling state).
+    ``collections``: other variables the pass reads (mode "fp8": the scaling state).
 
     Example:
       >>> model = build_model("fp32", parse_args(["--variant", "ti4", "--num-layers", "1",
@@ -83,42 +81,27 @@ def loss_fn(model: nn.Module,
       >>> round(float(loss_fn(model)(params, x, y)), 4)  # zero-initialised head: ln 3
       1.0986
     """
-
-    def loss(params: Any, images: jax.Array, labels: jax.Array) -> jax.Array:
-        return cross_entropy(model.apply({"params": params, **(collections or {})}, images,
-                                         train=True), labels)
-
-    return loss
+    return lambda params, images, labels: cross_entropy(
+        model.apply({"params": params, **(collections or {})}, images, train=True), labels)
 
 
-def model_and_init(mode: str, args: argparse.Namespace) -> tuple[nn.Module, Callable]:
-    """The policy-wrapped ViT and ``create(rng) -> TrainState`` (AdamW wrapped for the mode)."""
+def init_state(mode: str, args: argparse.Namespace, abstract: bool = False) -> tuple[Any, Any]:
+    """The policy-wrapped ViT and its train state (AdamW wrapped for the mode), on the device
+    or, with ``abstract``, as shapes only (nothing allocated)."""
     mp = jamp.mixed_precision(mode)
     model = build_model(mp, args)
     tx = jamp.make_optimizer(mp, optax.adamw(args.learning_rate, weight_decay=0.05))
-    image = jnp.zeros((1, args.image_size, args.image_size, 3), jnp.float32)
 
     def create(rng):
-        variables = nn.unbox(model.init(rng, image))
-        if mp.fp8 is not None and mp.fp8.scaling == "delayed":  # state beside the params
+        variables = nn.unbox(model.init(rng, jnp.zeros((1, args.image_size, args.image_size, 3))))
+        if jamp.fp8.COLLECTION in variables:  # delayed scaling: its state beside the params
             return jamp.fp8.TrainState.create(apply_fn=model.apply, params=variables["params"],
                                               tx=tx, fp8=variables[jamp.fp8.COLLECTION])
         return train_state.TrainState.create(apply_fn=model.apply, params=variables["params"],
                                              tx=tx)
 
-    return model, create
-
-
-def build_state(mode: str, args: argparse.Namespace) -> tuple[nn.Module, train_state.TrainState]:
-    """The policy-wrapped ViT and its train state, initialised on the device."""
-    model, create = model_and_init(mode, args)
-    return model, jax.jit(create)(jax.random.key(0))
-
-
-def abstract_state(mode: str, args: argparse.Namespace) -> tuple[nn.Module, Any]:
-    """The policy-wrapped ViT and its train state as shapes only (nothing allocated)."""
-    model, create = model_and_init(mode, args)
-    return model, jax.eval_shape(create, jax.random.key(0))
+    rng = jax.random.key(0)
+    return model, jax.eval_shape(create, rng) if abstract else jax.jit(create)(rng)
 
 
 def synthetic_batch(args: argparse.Namespace, batch: int) -> dict[str, jax.Array]:
@@ -129,18 +112,17 @@ def synthetic_batch(args: argparse.Namespace, batch: int) -> dict[str, jax.Array
             "label": jax.random.randint(ky, (batch,), 0, args.num_classes)}
 
 
-def _step_fn(state, batch, rng):
-    return jamp.train_step(state, batch, rng)
+def _abstract(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
-def _avals(tree: Any) -> list[tuple[tuple[int, ...], str]]:
-    return [(tuple(a.shape), str(a.dtype)) for a in jax.tree_util.tree_leaves(tree)]
+def _step(donate: bool) -> Callable:
+    return jax.jit(jamp.train_step, donate_argnums=(0,) if donate else ())
 
 
 def compile_step(state: Any, batch: Any, donate: bool) -> Any:
     """Lowers and compiles the train step for these (possibly abstract) arguments."""
-    fn = jax.jit(_step_fn, donate_argnums=(0,) if donate else ())
-    return fn.lower(state, batch, jax.random.key(2)).compile()
+    return _step(donate).lower(state, batch, jax.random.key(2)).compile()
 
 
 def compiled_bytes(compiled: Any) -> int | None:
@@ -155,55 +137,61 @@ def compiled_bytes(compiled: Any) -> int | None:
                + m.temp_size_in_bytes)
 
 
-def jax_memory(model: nn.Module, state: train_state.TrainState,
-               args: argparse.Namespace) -> jamp.MemoryReport:
+def jax_memory(model: nn.Module, state: Any, args: argparse.Namespace) -> jamp.MemoryReport:
     """``jamp.memory_report`` of one step at the benchmark's batch (shapes only)."""
     images = jax.ShapeDtypeStruct((args.batch, args.image_size, args.image_size, 3), jnp.float32)
     labels = jax.ShapeDtypeStruct((args.batch,), jnp.int32)
-    abstract = lambda t: jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
-    fp8_state = getattr(state, "fp8", None) or None
-    collections = None if fp8_state is None else {jamp.fp8.COLLECTION: fp8_state}
-    model_state = None if fp8_state is None else abstract((state.fp8, state.fp8_pending))
-    return jamp.memory_report(loss_fn(model, collections), abstract(state.params), images,
-                              labels, opt_state=abstract(state.opt_state),
-                              model_state=model_state)
+    fp8 = isinstance(state, jamp.fp8.TrainState) and state.fp8
+    return jamp.memory_report(
+        loss_fn(model, {jamp.fp8.COLLECTION: state.fp8} if fp8 else None),
+        _abstract(state.params), images, labels, opt_state=_abstract(state.opt_state),
+        model_state=_abstract((state.fp8, state.fp8_pending)) if fp8 else None)
 
 
-def memory_limit(device: jax.Device, args: argparse.Namespace) -> int | None:
-    """Bytes a step may use: ``--memory-limit-gib``, else the allocator's limit (GPU/TPU)."""
-    if args.memory_limit_gib is not None:
-        return int(args.memory_limit_gib * 2**30)
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    return int(limit * args.memory_headroom) if limit else None
+def runs_at(mode: str, args: argparse.Namespace, batch: int) -> bool:
+    """Whether two real train steps at ``batch`` run without running out of device memory."""
+    try:
+        state, data = init_state(mode, args)[1], synthetic_batch(args, batch)
+        step = _step(args.donate)
+        for _ in range(2):
+            state, metrics = step(state, data, jax.random.key(2))
+            jax.block_until_ready((state, metrics))
+        return True
+    except Exception as e:  # noqa: BLE001 - XlaRuntimeError's class moves between versions
+        if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
+            return False
+        raise
+    finally:
+        state = data = None
+        gc.collect()
 
 
-def max_batch(state: Any, args: argparse.Namespace,
-              limit: int) -> tuple[int | None, int]:
-    """Largest batch whose compiled step fits ``limit`` bytes; and the compiles it took.
+def max_batch(mode: str, args: argparse.Namespace, device: jax.Device) -> tuple[int | None, str]:
+    """The largest batch whose compiled step fits the memory limit, and how it was found.
 
-    Compiles (never runs) the step on abstract inputs. Two compiles give the
-    bytes per example; the search starts from the batch that predicts.
+    The limit is ``--memory-limit-gib``, else the allocator's (GPU/TPU). Compiles (never
+    runs) the step on abstract inputs: two compiles give the bytes per example, the search
+    starts from the batch that predicts. Without ``--memory-limit-gib`` the answer is then
+    confirmed by running steps (the analysis does not see fragmentation).
     """
-    abstract_state = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    limit = (int(args.memory_limit_gib * 2**30) if args.memory_limit_gib is not None
+             else int(limit * args.memory_headroom) if limit else None)
+    if limit is None:
+        return None, f"n/a on {device.platform} (no memory limit)"
+    state = init_state(mode, args, abstract=True)[1]
     cache: dict[int, int | None] = {}
 
     def needed(batch: int) -> int | None:
         if batch not in cache:
             shapes = jax.eval_shape(lambda: synthetic_batch(args, batch))
             try:
-                cache[batch] = compiled_bytes(compile_step(abstract_state, shapes, args.donate))
+                cache[batch] = compiled_bytes(compile_step(state, shapes, args.donate))
             except Exception as e:  # noqa: BLE001 - XLA reports OOM at compile time variously
                 if "memory" not in str(e).lower():
                     raise
                 cache[batch] = None
         return cache[batch]
-
-    def fits(batch: int) -> bool:
-        nbytes = needed(batch)
-        return nbytes is not None and nbytes <= limit
 
     g = args.max_batch_granularity
     b0, b1 = args.batch, 2 * args.batch
@@ -212,38 +200,21 @@ def max_batch(state: Any, args: argparse.Namespace,
     if m0 is not None and m1 is not None and m1 > m0:
         per_example = (m1 - m0) / (b1 - b0)
         guess, step = int((limit - (m0 - per_example * b0)) / per_example), g
-    found = common.largest_batch(fits, max(guess, g), granularity=g, step=step)
-    return found, len(cache)
-
-
-def _is_oom(error: Exception) -> bool:
-    text = str(error)
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-
-
-def runs_at(mode: str, args: argparse.Namespace, batch: int) -> bool:
-    """Whether two real train steps at ``batch`` run without running out of device memory."""
-    try:
-        state = build_state(mode, args)[1]
-        data = synthetic_batch(args, batch)
-        step = jax.jit(_step_fn, donate_argnums=(0,) if args.donate else ())
-        for _ in range(2):
-            state, metrics = step(state, data, jax.random.key(2))
-            jax.block_until_ready((state, metrics))
-        return True
-    except Exception as e:  # noqa: BLE001 - XlaRuntimeError's class moves between versions
-        if _is_oom(e):
-            return False
-        raise
-    finally:
-        state = data = None
-        gc.collect()
+    found = common.largest_batch(lambda b: (n := needed(b)) is not None and n <= limit,
+                                 max(guess, g), granularity=g, step=step)
+    method = f"XLA compile-time memory analysis <= {limit / 2**30:.2f} GiB ({len(cache)} compiles)"
+    if found and args.memory_limit_gib is None:
+        tries = 0
+        while found and tries < 4 and not runs_at(mode, args, found):
+            found, tries = found - g if found > g else None, tries + 1
+        method += f", confirmed by running 2 steps ({tries} step-downs of {g})"
+    return found, method
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """Measures one precision mode; returns its row of figures."""
     device = jax.devices()[0]
-    model, state = build_state(mode, args)
+    model, state = init_state(mode, args)
     batch = synthetic_batch(args, args.batch)
     rng = jax.random.key(2)
     report = jax_memory(model, state, args)
@@ -251,12 +222,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     compiled = compile_step(state, batch, args.donate)
     compile_s = time.perf_counter() - t0
     xla_bytes = compiled_bytes(compiled)
-
     # The first step runs untimed. If it returns a state of other dtypes than it was
     # given (an optimizer state promoted to float32), the step is compiled again for
     # the new state, as jax.jit would do on the second call.
     new_state, metrics = jax.block_until_ready(compiled(state, batch, rng))
-    changed = _avals(new_state) != _avals(state)
+    leaves = lambda tree: jax.tree_util.tree_leaves(_abstract(tree))
+    changed = leaves(new_state) != leaves(state)
     if changed:
         compiled = compile_step(new_state, batch, args.donate)
     carry: dict[str, Any] = {"state": new_state, "metrics": metrics}
@@ -265,48 +236,25 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         carry["state"], carry["metrics"] = compiled(carry["state"], batch, rng)
         jax.block_until_ready(carry)
 
-    times = common.time_steps(step, warmup=max(args.warmup - 1, 0), steps=args.steps)
+    times = common.time_steps({mode: step}, warmup=max(args.warmup - 1, 0),
+                              steps=args.steps)[mode]
     metrics = jax.device_get(carry["metrics"])
-    stats = device.memory_stats() or {}
-    flops = sizes.train_flops_per_image(
-        args.variant, image_size=args.image_size, patch_size=args.patch_size,
-        num_classes=args.num_classes, num_layers=args.num_layers)
+    flops = common.train_flops(args)
     row: dict[str, Any] = dict(
         framework="jamp", mode=mode, batch=args.batch, compile_s=compile_s,
         **common.summarize_times(times, args.batch),
-        peak_bytes=stats.get("peak_bytes_in_use"), xla_step_bytes=xla_bytes,
-        jax_memory=report.as_dict(), flops_per_image=flops, final_loss=float(metrics["loss"]),
-        loss_finite=bool(np.isfinite(metrics["loss"])), steps_skipped=int(metrics["steps_skipped"]),
-        loss_scale=float(metrics["loss_scale"]), state_dtypes_changed_after_step1=changed)
+        peak_bytes=(device.memory_stats() or {}).get("peak_bytes_in_use"),
+        xla_step_bytes=xla_bytes, jax_memory=report.as_dict(), flops_per_image=flops,
+        final_loss=float(metrics["loss"]), loss_finite=bool(np.isfinite(metrics["loss"])),
+        steps_skipped=int(metrics["steps_skipped"]), loss_scale=float(metrics["loss_scale"]),
+        state_dtypes_changed_after_step1=changed)
     row["mfu"] = common.mfu(row["images_per_sec"], flops, common.peak_tflops(device.device_kind))
     row["max_batch"], row["max_batch_method"] = None, "skipped (--max-batch not given)"
     if args.max_batch:
-        limit = memory_limit(device, args)
-        if limit is None:
-            row["max_batch_method"] = f"n/a on {device.platform} (no memory limit)"
-        else:
-            del carry, compiled, state, new_state  # free the device for bigger steps
-            gc.collect()
-            found, n = max_batch(abstract_state(mode, args)[1], args, limit)
-            method = f"XLA compile-time memory analysis <= {limit / 2**30:.2f} GiB ({n} compiles)"
-            if found and args.memory_limit_gib is None:
-                # The analysis does not see fragmentation: confirm by running steps.
-                tries = 0
-                g = args.max_batch_granularity
-                while found and tries < 4 and not runs_at(mode, args, found):
-                    found, tries = found - g if found > g else None, tries + 1
-                method += f", confirmed by running 2 steps ({tries} step-downs of {g})"
-            row["max_batch"], row["max_batch_method"] = found, method
+        del carry, compiled, state, new_state  # free the device for bigger steps
+        gc.collect()
+        row["max_batch"], row["max_batch_method"] = max_batch(mode, args, device)
     return row
-
-
-def device_info() -> dict[str, Any]:
-    """The device the benchmark ran on, and the software versions."""
-    device = jax.devices()[0]
-    return dict(platform=device.platform, device_kind=device.device_kind,
-                peak_tflops=common.peak_tflops(device.device_kind),
-                jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", jax.__version__),
-                optax=optax.__version__, machine=common.machine())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -317,9 +265,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       >>> args.patch_size, args.modes
       (8, ['fp16', 'bf16'])
     """
-    ap = common.parser(__doc__, json_out=True)
+    ap = common.parser(__doc__, json_out=True, timing=(20, 3))
     common.add_vit(ap)
-    common.add_timing(ap, steps=20, warmup=3)
     ap.add_argument("--modes", type=common.modes, default=list(jamp.MODES),
                     help="comma-separated, aliases accepted")
     ap.add_argument("--learning-rate", type=float, default=1e-4)
@@ -341,13 +288,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the benchmark; prints one line per mode; returns (and optionally writes) results."""
     args = parse_args(argv)
-    info = device_info()
+    device = jax.devices()[0]
+    info = dict(platform=device.platform, device_kind=device.device_kind,
+                peak_tflops=common.peak_tflops(device.device_kind), jax=jax.__version__,
+                jaxlib=getattr(jax.lib, "__version__", jax.__version__),
+                optax=optax.__version__, machine=common.machine())
     print(f"jamp throughput: ViT-{args.variant} {args.image_size}px batch {args.batch} on "
           f"{info['device_kind']} ({info['platform']}), jax {info['jax']}", flush=True)
     rows = []
     for mode in args.modes:
-        row = run_mode(mode, args)
-        rows.append(row)
+        rows.append(row := run_mode(mode, args))
         print(f"  {mode:<11} {row['images_per_sec']:9.1f} img/s  step {row['step_ms']:8.1f} ms  "
               f"compile {row['compile_s']:5.1f} s  peak {common.gib(row['peak_bytes'])}  "
               f"XLA step {common.gib(row['xla_step_bytes'])}  "
