@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,14 +42,15 @@ from jamp.step import cross_entropy
 Model = tuple[Callable[..., jax.Array], Callable[[], Any], jax.Array, jax.Array, str]
 """``(loss(params, x, y), init() -> params, x, y, label)``: what a measurement trains."""
 
-PRESETS = {"mlp": dict(steps=3000, warmup=50, batch=[128, 512], width=512, depth=3),
-           "vit": dict(steps=20, warmup=2, batch=[8], variant="s16", image_size=224)}
-"""Per model, the values of the flags not given."""
-QUICK = {"mlp": dict(steps=3, warmup=1, batch=[8], width=32),
-         "vit": dict(steps=1, warmup=0, batch=[2], variant="ti4", image_size=16, num_layers=1)}
-"""Per model, the smoke run of ``--quick`` (before ``PRESETS``)."""
-RESULT_NAMES = {"mlp": "loss_scale_overhead", "vit": "loss_scale_vit"}
-"""The results file kind per model."""
+MODELS = {
+    "mlp": ("loss_scale_overhead",
+            dict(steps=3000, warmup=50, batch=[128, 512], width=512, depth=3),
+            dict(steps=3, warmup=1, batch=[8], width=32)),
+    "vit": ("loss_scale_vit", dict(steps=20, warmup=2, batch=[8], variant="s16", image_size=224),
+            dict(steps=1, warmup=0, batch=[2], variant="ti4", image_size=16, num_layers=1)),
+}
+"""Per model: the results file kind, the values of the flags not given, and those of
+``--quick`` (a smoke run; they come first)."""
 
 
 def mlp(args: argparse.Namespace, batch: int) -> Model:
@@ -89,42 +89,38 @@ def vit(args: argparse.Namespace, batch: int) -> Model:
     return throughput.loss_fn(model), init, x, y, sizes.vit_label(args.variant, args.patch_size)
 
 
-def make_step(loss: Callable[..., jax.Array], tx: optax.GradientTransformation,
-              scaled: bool) -> Callable:
-    """Jitted ``step(params, opt_state, x, y) -> (params, opt_state, loss)``, state donated.
-
-    With ``scaled`` the loss is multiplied by the state's loss scale (``jamp.scale_loss``).
-    """
-
-    def step(params, opt_state, x, y):
-        scale = (lambda v: jamp.scale_loss(v, opt_state)) if scaled else (lambda v: v)
-        value, grads = jax.value_and_grad(lambda p: scale(loss(p, x, y)))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    return jax.jit(step, donate_argnums=(0, 1))
-
-
 def measure(model: Model, *, warmup: int, steps: int) -> dict[str, Any]:
-    """Times plain vs loss-scaled steps, alternating; returns one row of the table (ms)."""
+    """Times plain vs loss-scaled steps, alternating; returns one row of the table (ms).
+
+    Each step is jitted with params and optimizer state donated; the scaled one
+    multiplies the loss by the state's loss scale (``jamp.scale_loss``).
+    """
     loss, init, x, y, _ = model
     adamw = optax.adamw(1e-4, weight_decay=0.05)
     txs = {"plain": adamw, "scaled": jamp.DynamicLossScale(adamw, init_scale=2.0**15)}
-    step = {name: make_step(loss, tx, name == "scaled") for name, tx in txs.items()}
-    carry = {}
-    for name, tx in txs.items():
-        params = init()
-        carry[name] = (params, tx.init(params))
-    n_params = sum(p.size for p in jax.tree_util.tree_leaves(carry["plain"][0]))
-    times: dict[str, list[float]] = {"plain": [], "scaled": []}
-    for i in range(warmup + steps):
-        for name in ("plain", "scaled") if i % 2 == 0 else ("scaled", "plain"):
-            t0 = time.perf_counter()
-            params, opt_state, value = step[name](*carry[name], x, y)
+    carry = {name: (p := init(), tx.init(p)) for name, tx in txs.items()}
+
+    def run(name: str) -> Callable[[], None]:
+        tx, scaled = txs[name], name == "scaled"
+
+        def step(params, opt_state, x, y):
+            scale = (lambda v: jamp.scale_loss(v, opt_state)) if scaled else (lambda v: v)
+            value, grads = jax.value_and_grad(lambda p: scale(loss(p, x, y)))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        step = jax.jit(step, donate_argnums=(0, 1))
+
+        def one():
+            params, opt_state, value = step(*carry[name], x, y)
             jax.block_until_ready((params, opt_state, value))
-            if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
             carry[name] = (params, opt_state)
+
+        return one
+
+    n_params = sum(p.size for p in jax.tree_util.tree_leaves(carry["plain"][0]))
+    times = common.time_steps({name: run(name) for name in txs}, warmup=warmup, steps=steps,
+                              alternate=True)
     plain, scaled = (statistics.median(times[name]) * 1e3 for name in ("plain", "scaled"))
     return dict(batch=int(x.shape[0]), n_params=int(n_params), plain_ms=plain, scaled_ms=scaled,
                 ratio=scaled / plain, overhead_pct=(scaled / plain - 1) * 100,
@@ -135,7 +131,10 @@ def to_markdown(r: dict[str, Any]) -> str:
     """The results file: how it was measured, then the table (MLP and ViT columns differ)."""
     vit_run, m = r["benchmark"] == "loss_scale_vit", r["machine"]
     digits = 1 if vit_run else 3
-    lines = [
+    figures = lambda x: [f"{x['plain_ms']:.{digits}f}", f"{x['scaled_ms']:.{digits}f}",
+                         f"{x['ratio']:.4f}", f"{x['overhead_pct']:+.2f}%"]
+    columns = "adamw ms/step | DynamicLossScale(adamw) ms/step | ratio | overhead"
+    return "\n".join([
         "# DynamicLossScale(adamw) vs adamw" + (" on a ViT train step" if vit_run
                                                  else ": step-time overhead"), "",
         f"- command: `{r['command']}`",
@@ -148,30 +147,23 @@ def to_markdown(r: dict[str, Any]) -> str:
         f"- 1-min load average before/after: {r['load_avg_before']} / {m['load_avg_1m']} "
         "(a shared machine: other jobs add noise to both variants alike)",
         "- target: <= 3% overhead", "",
-        ("| model | batch" if vit_run else "| batch | params") + " | adamw ms/step "
-        "| DynamicLossScale(adamw) ms/step | ratio | overhead |"
-        + (" steps skipped |" if vit_run else ""),
-        "|---" * (7 if vit_run else 6) + "|",
-    ]
-    for x in r["rows"]:
-        figures = (f"{x['plain_ms']:.{digits}f} | {x['scaled_ms']:.{digits}f} | {x['ratio']:.4f} "
-                   f"| {x['overhead_pct']:+.2f}%")
-        lines.append(f"| {r['model']} | {x['batch']} | {figures} | {x['steps_skipped']} |"
-                     if vit_run else f"| {x['batch']} | {x['n_params']} | {figures} |")
-    return "\n".join(lines) + "\n"
+        *(common.table(f"model | batch | {columns} | steps skipped",
+                       ([r["model"], x["batch"], *figures(x), x["steps_skipped"]]
+                        for x in r["rows"])) if vit_run else
+          common.table(f"batch | params | {columns}",
+                       ([x["batch"], x["n_params"], *figures(x)] for x in r["rows"])))]) + "\n"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Command-line flags; those not given take the model's ``QUICK``/``PRESETS`` values.
+    """Command-line flags; those not given take the model's ``--quick`` or default values.
 
     Example:
       >>> args = parse_args(["--model", "vit", "--steps", "5"])
       >>> args.steps, args.warmup, args.batch, args.variant
       (5, 2, [8], 's16')
     """
-    ap = common.parser(__doc__)
-    common.add_timing(ap, steps=None, warmup=None)
-    ap.add_argument("--model", choices=tuple(PRESETS), default="mlp")
+    ap = common.parser(__doc__, timing=(None, None))
+    ap.add_argument("--model", choices=tuple(MODELS), default="mlp")
     ap.add_argument("--batch", type=lambda text: [int(b) for b in common.split(text)],
                     help="comma-separated batch sizes (mlp: 128,512; vit: 8)")
     ap.add_argument("--width", type=int, help="mlp: hidden width (512)")
@@ -183,10 +175,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", help="write the results to this .md (and .json)")
     ap.set_defaults(patch_size=None, num_classes=1000, remat=False)
     args = ap.parse_args(argv)
-    for preset in (QUICK[args.model] if args.quick else {}), PRESETS[args.model]:
-        for key, value in preset.items():
-            if getattr(args, key) is None:
-                setattr(args, key, value)
+    _, defaults, quick = MODELS[args.model]
+    for key, value in [*(quick.items() if args.quick else ()), *defaults.items()]:
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     return args
 
 
@@ -201,13 +193,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for batch in args.batch:
         model = build(args, batch)
-        rows.append(measure(model, warmup=args.warmup, steps=args.steps))
-        r = rows[-1]
+        rows.append(r := measure(model, warmup=args.warmup, steps=args.steps))
         print(f"{model[-1]} batch {batch} ({r['n_params']:,} params): adamw {r['plain_ms']:.3f} "
               f"ms, DynamicLossScale(adamw) {r['scaled_ms']:.3f} ms (medians of {args.steps}) "
               f"-> ratio {r['ratio']:.4f} ({r['overhead_pct']:+.2f}%), "
               f"{r['steps_skipped']} steps skipped", flush=True)
-    result = dict(**common.header("loss_scale_overhead", argv, RESULT_NAMES[args.model]),
+    result = dict(**common.header("loss_scale_overhead", argv, MODELS[args.model][0]),
                   optax=optax.__version__, model=model[-1],
                   image_size=args.image_size if args.model == "vit" else None,
                   steps=args.steps, warmup=args.warmup, load_avg_before=load_before, rows=rows)

@@ -29,26 +29,17 @@ def measure(variant: str, mode: str, args: argparse.Namespace, remat: bool) -> d
     targs = throughput.parse_args(["--variant", variant])
     shape = ("patch_size", "image_size", "batch", "num_classes", "num_layers")
     vars(targs).update(remat=remat, **{k: getattr(args, k) for k in shape})
-    model, state = throughput.abstract_state(mode, targs)
+    model, state = throughput.init_state(mode, targs, abstract=True)
     label = sizes.vit_label(variant, targs.patch_size) + (" + remat" if remat else "")
     return dict(model=label, variant=variant, remat=remat, mode=mode,
                 **throughput.jax_memory(model, state, targs).as_dict())
 
 
-def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Adds ``residual_ratio`` and ``total_ratio`` against the same model's fp32 row."""
-    base = {r["model"]: r for r in rows if r["mode"] == "fp32"}
-    for r in rows:
-        b = base.get(r["model"])
-        r["residual_ratio"] = r["residual_bytes"] / b["residual_bytes"] if b else None
-        r["total_ratio"] = r["total_bytes"] / b["total_bytes"] if b else None
-    return rows
-
-
 def to_markdown(result: dict[str, Any]) -> str:
     """The results file: how it was counted, then one row per model and mode."""
     mib = lambda b: common.fmt(None if b is None else b / 2**20, ",.1f")
-    lines = [
+    keys = ("params", "grads", "opt_state", "residual", "activation", "total")
+    return "\n".join([
         "# JAX-level memory of a ViT training step per precision mode", "",
         f"- command: `{result['command']}`",
         f"- date: {result['date']}; counted on {result['platform']} with jax {result['jax']} "
@@ -58,19 +49,12 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"{result['num_classes']} classes, AdamW via `jamp.make_optimizer`; residuals = what "
         "the forward pass saves for the backward pass (activations + half-precision copies of "
         "parameters + inputs)",
-        "- MiB = 2^20 bytes; ratios against fp32 of the same model",
-        "",
-        "| model | mode | params | grads | optimizer state | residuals | of which activations "
-        "| total | residuals vs fp32 | total vs fp32 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["results"]:
-        lines.append(
-            f"| {r['model']} | {r['mode']} | {mib(r['params_bytes'])} | {mib(r['grads_bytes'])} "
-            f"| {mib(r['opt_state_bytes'])} | {mib(r['residual_bytes'])} "
-            f"| {mib(r['activation_bytes'])} | {mib(r['total_bytes'])} "
-            f"| {common.fmt(r['residual_ratio'], '.3f')} | {common.fmt(r['total_ratio'], '.3f')} |")
-    return "\n".join(lines) + "\n"
+        "- MiB = 2^20 bytes; ratios against fp32 of the same model", "",
+        *common.table("model | mode | params | grads | optimizer state | residuals | of which "
+                      "activations | total | residuals vs fp32 | total vs fp32",
+                      ([r["model"], r["mode"], *(mib(r[f"{k}_bytes"]) for k in keys),
+                        common.fmt(r["residual_ratio"], ".3f"), common.fmt(r["total_ratio"], ".3f")]
+                       for r in result["results"]))]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -87,12 +71,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for variant, remat in [(m, False) for m in args.models] + [(m, True) for m in args.remat]:
         for mode in args.modes:
-            rows.append(measure(variant, mode, args, remat))
-            r = rows[-1]
+            rows.append(r := measure(variant, mode, args, remat))
             print(f"{r['model']:<18} {mode:<11} total {common.gib(r['total_bytes'])}  "
                   f"residuals {common.gib(r['residual_bytes'])}", flush=True)
+    base = {r["model"]: r for r in rows if r["mode"] == "fp32"}  # ratios against fp32
+    for r in rows:
+        for key in ("residual", "total"):
+            b = base.get(r["model"])
+            r[f"{key}_ratio"] = r[f"{key}_bytes"] / b[f"{key}_bytes"] if b else None
     result = dict(**common.header("memory", argv), image_size=args.image_size,
-                  batch=args.batch, num_classes=args.num_classes, results=with_ratios(rows))
+                  batch=args.batch, num_classes=args.num_classes, results=rows)
     if not args.no_write:
         common.write_results(common.results_stem(args.out_dir, "memory", result["platform"]),
                              result, to_markdown(result))
