@@ -28,7 +28,6 @@ import jamp
 from benchmarks import common
 from jamp.config import vit_config
 from jamp.experiment import ConfigError
-from jamp.loss_scale import LossScaleDivergedError
 from jamp.metrics import read_metrics
 from jamp.models import sizes
 from jamp.train import train_and_evaluate
@@ -53,91 +52,67 @@ def override(text: str) -> tuple[str, Any]:
 
 def run_mode(mode: str, overrides: dict[str, Any], workdir: Path,
              framework: str = "linen") -> dict[str, Any] | None:
-    """Trains one mode in ``workdir``; returns the row for the table.
-
-    None for a configuration the trainer refuses (its message is printed).
-    """
+    """Trains one mode in ``workdir``; its row, or None if the trainer refuses the config."""
     config = vit_config(mode)
-    config.progress = False
-    config.framework = framework
+    config.progress, config.framework = False, framework
     config.update_from_flattened_dict(overrides)
     t0 = time.perf_counter()
     try:
-        summary = train_and_evaluate(config, str(workdir))
+        s = train_and_evaluate(config, str(workdir))
     except ConfigError as e:
         print(f"accuracy: {mode} with {framework} skipped: {str(e).split(':')[0]}", flush=True)
         return None
-    except LossScaleDivergedError as e:
-        # A result, not a failure of the benchmark: record how far the mode got.
+    except jamp.LossScaleDivergedError as e:  # a result: how far the mode got
         return dict(diverged_row(mode, workdir, str(e), time.perf_counter() - t0),
                     framework=framework)
-    return dict(mode=summary["mode"], framework=framework, status="ok", model=summary["model"],
-                test_accuracy=summary["test_accuracy"], test_loss=summary["test_loss"],
-                images_per_sec=summary["images_per_sec"], steps=summary["steps"],
-                steps_skipped=summary["steps_skipped"],
-                final_loss_scale=summary["final_loss_scale"],
-                wall_s=time.perf_counter() - t0, plot=summary.get("plot"),
-                seed=summary.get("seed"), commit=summary.get("commit"))
+    return dict(mode=s["mode"], framework=framework, status="ok", model=s["model"],
+                **{k: s[k] for k in ("test_accuracy", "test_loss", "images_per_sec", "steps",
+                                     "steps_skipped", "final_loss_scale")},
+                wall_s=time.perf_counter() - t0, plot=s.get("plot"), seed=s.get("seed"),
+                commit=s.get("commit"))
 
 
 def diverged_row(mode: str, workdir: Path, message: str, wall_s: float) -> dict[str, Any]:
     """The row of a run stopped by the trainer's divergence guard, from its metrics.jsonl."""
     records = read_metrics(str(workdir))
-    train = [r for r in records if "train/loss" in r]
-    evals = [r for r in records if "eval/accuracy" in r]
-    last = train[-1] if train else {}
-    rates = [r["train/images_per_sec"] for r in train
-             if isinstance(r.get("train/images_per_sec"), float) and r["train/images_per_sec"] > 0]
+    last = next((r for r in reversed(records) if "train/loss" in r), {})
+    evals = [r for r in records if "eval/accuracy" in r] or [{}]
+    rates = sorted(r["train/images_per_sec"] for r in records if "train/loss" in r and isinstance(
+        r.get("train/images_per_sec"), float) and r["train/images_per_sec"] > 0)
     summary_path = workdir / "summary.json"  # written before the trainer raises
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return dict(mode=jamp.mixed_precision(mode).name,
                 status="diverged: " + message.split(":")[0].strip(),
-                test_accuracy=evals[-1]["eval/accuracy"] if evals else None,
-                test_loss=evals[-1]["eval/loss"] if evals else None,
-                images_per_sec=sorted(rates)[len(rates) // 2] if rates else None,
+                test_accuracy=evals[-1].get("eval/accuracy"), test_loss=evals[-1].get("eval/loss"),
+                images_per_sec=rates[len(rates) // 2] if rates else None,
                 steps=last.get("step", 0), steps_skipped=last.get("train/steps_skipped", 0),
                 final_loss_scale=last.get("train/loss_scale", float("nan")),
                 wall_s=wall_s, plot=None, seed=summary.get("seed"), commit=summary.get("commit"))
 
 
-def _commits(rows: list[dict[str, Any]]) -> str:
-    return ", ".join(sorted({str(r.get("commit")) for r in rows})) or "unknown"
-
-
-def _seeds(rows: list[dict[str, Any]]) -> str:
-    return ", ".join(sorted({str(r.get("seed")) for r in rows})) or "unknown"
-
-
 def to_markdown(result: dict[str, Any]) -> str:
     """The results file: how it was run, then one row per mode."""
-    c = result["config"]
+    c, rows = result["config"], result["results"]
+    joined = lambda key: ", ".join(sorted({str(r.get(key)) for r in rows})) or "unknown"
     lines = [
         "# Accuracy parity across precision modes (embedded digits)", "",
         f"- command: `{result['command']}`",
-        f"- reproduce a row exactly: the same command at commit "
-        f"`{_commits(result['results'])}` (seed {_seeds(result['results'])})",
+        f"- reproduce a row exactly: the same command at commit `{joined('commit')}` "
+        f"(seed {joined('seed')})",
         f"- date: {result['date']}; device: {result['device']} ({result['machine']['cpus']} "
         f"CPUs, {result['machine']['processor']}); jax {result['jax']}",
         f"- recipe: `jamp.config.vit_config(mode)` ({c['model']}, {c['layers']}, batch "
         f"{c['batch_size']}, {c['num_epochs']} epochs, lr {c['learning_rate']}); "
         f"overrides: {result['overrides'] or 'none'}; runs one after another on a shared "
         "machine (images/s are noisy and, on CPU, not a measure of half precision)",
-        f"- plot: `{result['plot']}` (mode {result['plot_mode']})" if result["plot"] else "",
-        "",
-        "| mode | framework | test accuracy | Δ vs fp32 | Δ NNX vs linen | images/s | steps "
-        "| steps skipped | final loss scale | wall s | outcome |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["results"]:
-        accuracy, delta = common.accuracy_cells(r, result["results"])
-        lines.append(
-            f"| {r['mode']} | {r.get('framework', 'linen')} | {accuracy} | {delta} "
-            f"| {common.nnx_vs_linen(r, result['results'])} "
-            f"| {common.fmt(r['images_per_sec'], ',.0f')} "
-            f"| {r['steps']} | {r['steps_skipped']} | {r['final_loss_scale']:g} "
-            f"| {r['wall_s']:.0f} | {r['status']} |")
-    diverged = [r for r in result["results"] if r["status"] != "ok"]
-    if diverged:
+        f"- plot: `{result['plot']}` (mode {result['plot_mode']})" if result["plot"] else "", "",
+        *common.table("mode | framework | test accuracy | Δ vs fp32 | Δ NNX vs linen | images/s "
+                      "| steps | steps skipped | final loss scale | wall s | outcome", (
+                          [r["mode"], r.get("framework", "linen"), *common.accuracy_cells(r, rows),
+                           common.nnx_vs_linen(r, rows), common.fmt(r["images_per_sec"], ",.0f"),
+                           r["steps"], r["steps_skipped"], f"{r['final_loss_scale']:g}",
+                           f"{r['wall_s']:.0f}", r["status"]] for r in rows))]
+    if any(r["status"] != "ok" for r in rows):
         lines += ["", "Diverged runs were stopped by the trainer's divergence guard (the loss "
                   "scale at its minimum and every step skipped); their accuracy is the last "
                   "evaluation before the stop."]
@@ -158,22 +133,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     overrides = dict(args.set)
     head = common.header("accuracy", argv)
     stem = common.results_stem(args.out_dir, "accuracy", head["platform"])
-    rows = []
+    rows, plot = [], None
     with tempfile.TemporaryDirectory(prefix="jamp-accuracy-") as tmp:
-        root = Path(args.workdir or tmp)
         for framework, mode in ((f, m) for f in args.frameworks for m in args.modes):
-            workdir = root / framework / mode
-            if workdir.exists():
-                shutil.rmtree(workdir)  # a fresh run, never a resumed one
-            row = run_mode(mode, overrides, workdir, framework)
-            if row is None:
+            workdir = Path(args.workdir or tmp) / framework / mode
+            shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, never a resumed one
+            if (row := run_mode(mode, overrides, workdir, framework)) is None:
                 continue
             rows.append(row)
             print(f"accuracy: {mode:<11} {framework:<5} {common.accuracy_cells(row, rows)[0]}  "
                   f"{common.fmt(row['images_per_sec'], ',.0f')} img/s  steps {row['steps']} "
                   f"(skipped {row['steps_skipped']})  {row['wall_s']:.0f} s  {row['status']}",
                   flush=True)
-        plot = None
         source = next((r["plot"] for r in rows if r["mode"] == args.plot_mode and r["plot"]),
                       None)  # the first framework's run
         if source and not args.no_write:
