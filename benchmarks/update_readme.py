@@ -52,67 +52,35 @@ def latest(results: Path, kind: str, ext: str = "json") -> dict[str, Path]:
     return {device: found[device][1] for device in order}
 
 
-def current_command(command: str) -> str:
-    """A results file's command as it runs now: ``python -m benchmarks.<name> ...``.
-
-    Results written before the benchmarks were a package name the script's file;
-    the ViT loss-scale script is now ``loss_scale_overhead --model vit``.
-
-    Example:
-      >>> current_command("python benchmarks/memory.py --batch 2")
-      'python -m benchmarks.memory --batch 2'
-      >>> current_command("python benchmarks/loss_scale_vit.py ")
-      'python -m benchmarks.loss_scale_overhead --model vit'
-    """
-    m = re.match(r"python benchmarks/(\w+)\.py\b", command.strip())
-    if m is None:
-        return command.strip()
-    name = "loss_scale_overhead --model vit" if m[1] == "loss_scale_vit" else m[1]
-    return f"python -m benchmarks.{name}{command.strip()[m.end():]}"
-
-
-def _cmd(result: dict) -> str:
-    return f"`{current_command(result['command'])}`"
-
-
-def _link(path: Path) -> str:
-    return f"[`{path.name}`](benchmarks/results/{path.name})"
+def _source(path: Path, result: dict | None = None) -> str:
+    """A link to a results file's ``.md`` and, from its JSON, the command that wrote it."""
+    md = path.with_suffix(".md")
+    link = f"[`{md.name}`](benchmarks/results/{md.name})"
+    return link if result is None else f"{link}, `{result['command'].strip()}`"
 
 
 def throughput_section(path: Path) -> list[str]:
     """A compact jamp-vs-PyTorch table for one device's run_all result."""
     r = json.loads(path.read_text())
-    d, c = r["device"], r["config"]
+    d, c, fmt = r["device"], r["config"], common.fmt
     cpu = d["platform"] == "cpu"
-    lines = [
-        f"**{sizes.vit_label(c['variant'])}, {c['image_size']}px, batch {c['batch']}, AdamW, "
-        f"on {d['device_kind']}** ({r['date']}; {_link(path.with_suffix('.md'))}, "
-        f"{_cmd(r)})", "",
-    ]
+    lines = [f"**{sizes.vit_label(c['variant'])}, {c['image_size']}px, batch {c['batch']}, "
+             f"AdamW, on {d['device_kind']}** ({r['date']}; {_source(path, r)})", ""]
     if cpu:
         lines += ["CPU run: XLA:CPU and PyTorch on CPU upcast float16/bfloat16, so this shows "
                   "that the benchmark runs end to end, not what mixed precision gains; peak "
                   "memory, max batch and MFU need a GPU run.", ""]
-    lines += [
-        "| mode | jamp img/s | PyTorch eager img/s | PyTorch compile img/s | jamp / eager "
-        "| jamp / compile | peak memory | vs fp32 | max batch | MFU |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in r["rows"]:
-        lines.append(
-            f"| {row['mode']} | {common.fmt(row['jamp_images_per_sec'], ',.1f')} "
-            f"| {common.fmt(row['torch_eager_images_per_sec'], ',.1f')} "
-            f"| {common.fmt(row['torch_compile_images_per_sec'], ',.1f')} "
-            f"| {common.fmt(row['vs_torch_eager'], '.2f', 'x')} "
-            f"| {common.fmt(row['vs_torch_compile'], '.2f', 'x')} "
-            f"| {common.gib(row['jamp_peak_bytes'])} "
-            f"| {common.fmt(row['jamp_peak_vs_fp32'], '.2f', 'x')} "
-            f"| {common.fmt(row['jamp_max_batch'], 'd')} | {common.fmt(row['jamp_mfu'], '.1%')} |")
-    if cpu:
-        lines += ["", "Targets: not applicable to a CPU run (listed in the results file).", ""]
-    else:
-        met = [f"{t['target']}: {t['verdict']}" for t in r["targets"]]
-        lines += ["", "Targets: " + "; ".join(met) + ".", ""]
+    lines += common.table(
+        "mode | jamp img/s | PyTorch eager img/s | PyTorch compile img/s | jamp / eager "
+        "| jamp / compile | peak memory | vs fp32 | max batch | MFU",
+        ([x["mode"], *(fmt(x[f"{k}_images_per_sec"], ",.1f") for k in
+                       ("jamp", "torch_eager", "torch_compile")),
+          fmt(x["vs_torch_eager"], ".2f", "x"), fmt(x["vs_torch_compile"], ".2f", "x"),
+          common.gib(x["jamp_peak_bytes"]), fmt(x["jamp_peak_vs_fp32"], ".2f", "x"),
+          fmt(x["jamp_max_batch"], "d"), fmt(x["jamp_mfu"], ".1%")] for x in r["rows"]))
+    targets = ("not applicable to a CPU run (listed in the results file)" if cpu else
+               "; ".join(f"{t['target']}: {t['verdict']}" for t in r["targets"]))
+    lines += ["", f"Targets: {targets}.", ""]
     if r.get("plot"):
         lines += [f"![jamp vs PyTorch on {d['device_kind']}](benchmarks/results/{r['plot']})", ""]
     return lines
@@ -122,46 +90,35 @@ def memory_section(path: Path) -> list[str]:
     """Totals per mode and model from a ``benchmarks.memory`` result, with ratios against fp32."""
     r = json.loads(path.read_text())
     models = list(dict.fromkeys(row["model"] for row in r["results"]))
-    modes = list(dict.fromkeys(row["mode"] for row in r["results"]))
     cell = {(row["model"], row["mode"]): row for row in r["results"]}
-    lines = [
-        f"**JAX-level memory of a training step** (`jamp.memory_report`: params + grads + "
-        f"AdamW state + residuals; {r['image_size']}px, batch {r['batch']}; "
-        f"{_link(path.with_suffix('.md'))}, {_cmd(r)})", "",
-        "| mode | " + " | ".join(models) + " |",
-        "|---|" + "---|" * len(models),
-    ]
-    for mode in modes:
-        cells = []
-        for model in models:
-            row = cell.get((model, mode))
-            cells.append("—" if row is None else
-                         f"{common.gib(row['total_bytes'])} "
-                         f"({common.fmt(row['total_ratio'], '.2f', 'x')})")
-        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    total = lambda row: ("—" if row is None else f"{common.gib(row['total_bytes'])} "
+                                                 f"({common.fmt(row['total_ratio'], '.2f', 'x')})")
+    return [f"**JAX-level memory of a training step** (`jamp.memory_report`: params + grads + "
+            f"AdamW state + residuals; {r['image_size']}px, batch {r['batch']}; "
+            f"{_source(path, r)})", "",
+            *common.table("mode | " + " | ".join(models),
+                          ([mode, *(total(cell.get((model, mode))) for model in models)]
+                           for mode in dict.fromkeys(row["mode"] for row in r["results"]))), ""]
 
 
 def loss_scale_section(path: Path) -> list[str]:
     """The loss-scale overhead table rows, copied from its results file."""
-    rows = [line for line in path.read_text().splitlines()
-            if re.match(r"^\| \d+ \|", line)]
-    lines = [f"**DynamicLossScale(adamw) vs adamw step time** ({_link(path)})", "",
-             "| batch | params | adamw ms/step | DynamicLossScale(adamw) ms/step | ratio "
-             "| overhead |", "|---|---|---|---|---|---|"]
-    return lines + rows + [""]
+    rows = [line for line in path.read_text().splitlines() if re.match(r"^\| \d+ \|", line)]
+    return [f"**DynamicLossScale(adamw) vs adamw step time** ({_source(path)})", "",
+            *common.table("batch | params | adamw ms/step | DynamicLossScale(adamw) ms/step "
+                          "| ratio | overhead", [])] + rows + [""]
 
 
 def loss_scale_vit_section(path: Path) -> list[str]:
     """The loss-scale overhead on a ViT train step (``loss_scale_overhead --model vit``)."""
     r = json.loads(path.read_text())
-    return [
-        f"**The same on a ViT train step** ({_link(path.with_suffix('.md'))}, {_cmd(r)})",
-        "", "| model | batch | params | adamw ms/step | DynamicLossScale(adamw) ms/step | ratio "
-        "| overhead |", "|---|---|---|---|---|---|---|",
-        *(f"| {r['model']}, {r['image_size']}px, {r['platform']} | {x['batch']} "
-          f"| {x['n_params']} | {x['plain_ms']:.1f} | {x['scaled_ms']:.1f} | {x['ratio']:.4f} "
-          f"| {x['overhead_pct']:+.2f}% |" for x in r.get("rows", [r])), ""]
+    return [f"**The same on a ViT train step** ({_source(path, r)})", "",
+            *common.table("model | batch | params | adamw ms/step | DynamicLossScale(adamw) "
+                          "ms/step | ratio | overhead", (
+                              [f"{r['model']}, {r['image_size']}px, {r['platform']}", x["batch"],
+                               x["n_params"], f"{x['plain_ms']:.1f}", f"{x['scaled_ms']:.1f}",
+                               f"{x['ratio']:.4f}", f"{x['overhead_pct']:+.2f}%"]
+                              for x in r.get("rows", [r]))), ""]
 
 
 def perf_block(results: Path) -> str:
@@ -169,17 +126,14 @@ def perf_block(results: Path) -> str:
     lines = ["Generated by `python -m benchmarks.update_readme` from `benchmarks/results/`; "
              "reproduce the comparison with `python -m benchmarks.run_all` (defaults: ViT-B/16, "
              "224px, batch 128, every mode, PyTorch eager and `torch.compile`).", ""]
-    throughput = latest(results, "throughput")
-    if not throughput:
+    if not latest(results, "throughput"):
         lines += ["No throughput results yet.", ""]
-    for path in throughput.values():
-        lines += throughput_section(path)
-    for path in latest(results, "memory").values():
-        lines += memory_section(path)
-    for path in latest(results, "loss_scale_overhead", "md").values():
-        lines += loss_scale_section(path)
-    for path in latest(results, "loss_scale_vit").values():
-        lines += loss_scale_vit_section(path)
+    for kind, ext, section in (("throughput", "json", throughput_section),
+                               ("memory", "json", memory_section),
+                               ("loss_scale_overhead", "md", loss_scale_section),
+                               ("loss_scale_vit", "json", loss_scale_vit_section)):
+        for path in latest(results, kind, ext).values():
+            lines += section(path)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -188,27 +142,21 @@ def accuracy_block(results: Path) -> str:
     lines = []
     for path in latest(results, "accuracy").values():
         r = json.loads(path.read_text())
-        c = r["config"]
+        c, rows = r["config"], r["results"]
         lines += [
             f"**Accuracy parity**: {c['model']} ({c['layers']}) on the embedded {c['dataset']}, "
             f"batch {c['batch_size']}, {c['num_epochs']} epochs, one run per mode on "
-            f"{r['device']} ({r['date']}; {_link(path.with_suffix('.md'))}, {_cmd(r)}). "
+            f"{r['device']} ({r['date']}; {_source(path, r)}). "
             "Generated by `python -m benchmarks.update_readme`.", "",
-            "| mode | framework | test accuracy | vs fp32 | NNX vs linen | steps | steps skipped "
-            "| final loss scale | outcome |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for x in r["results"]:
-            accuracy, delta = common.accuracy_cells(x, r["results"])
-            lines.append(f"| {x['mode']} | {x.get('framework', 'linen')} | {accuracy} | {delta} "
-                         f"| {common.nnx_vs_linen(x, r['results'])} | {x['steps']} "
-                         f"| {x['steps_skipped']} | {x['final_loss_scale']:g} | {x['status']} |")
-        lines.append("")
+            *common.table("mode | framework | test accuracy | vs fp32 | NNX vs linen | steps "
+                          "| steps skipped | final loss scale | outcome", (
+                              [x["mode"], x.get("framework", "linen"),
+                               *common.accuracy_cells(x, rows), common.nnx_vs_linen(x, rows),
+                               x["steps"], x["steps_skipped"], f"{x['final_loss_scale']:g}",
+                               x["status"]] for x in rows)), ""]
         if r.get("plot"):
             lines += [f"![{r['plot_mode']} training run](benchmarks/results/{r['plot']})", ""]
-    if not lines:
-        lines = ["No accuracy results yet."]
-    return "\n".join(lines).rstrip() + "\n"
+    return "\n".join(lines or ["No accuracy results yet."]).rstrip() + "\n"
 
 
 def replace_block(text: str, marker: str, content: str) -> str:
@@ -237,11 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     old = path.read_text()
     new = render(old, Path(args.results))
     if args.check:
-        if new != old:
-            print(f"{path} is out of date: run python -m benchmarks.update_readme")
-            return 1
-        print(f"{path} is up to date")
-        return 0
+        print(f"{path} is {'up to date' if new == old else 'out of date'}"
+              + ("" if new == old else ": run python -m benchmarks.update_readme"))
+        return int(new != old)
     if new != old:
         path.write_text(new)
     print(f"{'updated' if new != old else 'unchanged'}: {path}")
