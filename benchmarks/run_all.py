@@ -46,9 +46,8 @@ REFERENCE = (
 def _run(script: str, flags: list[str], json_path: Path, timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", f"benchmarks.{script}", *flags, "--json", str(json_path)]
     print("$ python", " ".join(cmd[1:]), flush=True)
-    env = {**os.environ}
     # Let XLA's allocator use as much of the GPU as PyTorch may (--memory-fraction 0.95).
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ}
     subprocess.run(cmd, check=True, timeout=timeout, env=env, cwd=REPO)
     return json.loads(json_path.read_text())
 
@@ -60,9 +59,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def merge(jamp_runs: list[dict[str, Any]], torch_runs: list[dict[str, Any]]) -> list[dict]:
     """One row per jamp mode with its PyTorch counterpart (eager and compiled) beside it."""
     torch_rows = {(r["mode"], r["compiled"]): r for run in torch_runs for r in run["results"]}
-    rows = []
     jamp_rows = [r for run in jamp_runs for r in run["results"]]
     fp32_peak = next((r["peak_bytes"] for r in jamp_rows if r["mode"] == "fp32"), None)
+    rows = []
     for j in jamp_rows:
         counterpart = TORCH_FOR.get(j["mode"])
         eager = torch_rows.get((counterpart, False), {})
@@ -99,77 +98,54 @@ def targets(rows: list[dict[str, Any]], on_cpu: bool) -> list[dict[str, Any]]:
         ("fp16 peak memory vs fp32", get("fp16", "jamp_peak_vs_fp32"), "<=", 0.55, "x"),
         ("bf16 peak memory vs fp32", get("bf16", "jamp_peak_vs_fp32"), "<=", 0.55, "x"),
     ]
-    out = []
-    for name, value, op, bound, unit in checks:
-        if on_cpu:
-            verdict = "n/a on CPU"
-        elif value is None:
-            verdict = "not measured"
-        else:
-            verdict = "met" if (value >= bound if op == ">=" else value <= bound) else "not met"
-        out.append(dict(target=name, value=value, op=op, bound=bound, unit=unit, verdict=verdict))
-    return out
-
-
-def _num(value: float | None, unit: str) -> str:
-    return common.fmt(value, ".1%") if unit == "%" else common.fmt(value, ".2f", "x")
+    return [dict(target=name, value=value, op=op, bound=bound, unit=unit,
+                 verdict="n/a on CPU" if on_cpu else "not measured" if value is None else
+                 "met" if (value >= bound if op == ">=" else value <= bound) else "not met")
+            for name, value, op, bound, unit in checks]
 
 
 def to_markdown(result: dict[str, Any]) -> str:
     """The results file: what ran where, the two tables, the targets, the reference."""
-    d, c = result["device"], result["config"]
-    cpu = d["platform"] == "cpu"
-    ips = lambda v: common.fmt(v, ",.1f")
+    d, c, rows, fmt, gib = (result["device"], result["config"], result["rows"], common.fmt,
+                            common.gib)
+    x = lambda v: fmt(v, ".2f", "x")
     lines = [
         f"# jamp vs PyTorch AMP: {sizes.vit_label(c['variant'])} training on "
         f"{d['device_kind']}", "",
         f"- command: `{result['command']}`",
         f"- date: {result['date']}; device: {d['device_kind']} ({d['platform']}); peak "
-        f"{common.fmt(d['peak_tflops'], '.0f', ' TFLOP/s')} (dense bf16/fp16); host "
+        f"{fmt(d['peak_tflops'], '.0f', ' TFLOP/s')} (dense bf16/fp16); host "
         f"{d['machine']['cpus']} CPUs, 1-min load {d['machine']['load_avg_1m']}",
         f"- software: jax {d['jax']}, optax {d['optax']}; torch {result['torch_device']['torch']}"
         f"; PyTorch model: {result['torch_impl']}",
         f"- step: {c['image_size']}px, batch {c['batch']}, {c['num_classes']} classes, AdamW, "
         f"synthetic device-resident data; remat {c['remat']}; {c['warmup']} warm-up steps, "
         f"median of {c['steps']} timed steps (block_until_ready / cuda.synchronize)",
-        f"- MFU: {common.fmt(result['flops_per_image'] / 1e9, '.2f')} GFLOP per image "
+        f"- MFU: {fmt(result['flops_per_image'] / 1e9, '.2f')} GFLOP per image "
         "(analytic, 3 x 2 x MACs) x img/s / device peak",
     ]
-    if cpu:
+    if d["platform"] == "cpu":
         lines += ["", "**CPU run: XLA:CPU (and PyTorch on CPU) compute float16/bfloat16 by "
                   "upcasting, so these numbers show that the pipeline runs end to end, not what "
                   "mixed precision gains. Peak device memory and max batch are GPU measurements "
                   "(n/a here).**"]
-    lines += [
-        "", "## Throughput", "",
-        "| mode | jamp img/s | jamp ms/step | PyTorch eager img/s | PyTorch compile img/s "
-        "| jamp / eager | jamp / compile | jamp MFU | PyTorch compile MFU |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        torch_name = f" (torch {r['torch_mode']})" if r["torch_mode"] else ""
-        lines.append(
-            f"| {r['mode']}{torch_name} | {ips(r['jamp_images_per_sec'])} "
-            f"| {common.fmt(r['jamp_step_ms'], ',.1f')} | {ips(r['torch_eager_images_per_sec'])} "
-            f"| {ips(r['torch_compile_images_per_sec'])} "
-            f"| {common.fmt(r['vs_torch_eager'], '.2f', 'x')} "
-            f"| {common.fmt(r['vs_torch_compile'], '.2f', 'x')} "
-            f"| {common.fmt(r['jamp_mfu'], '.1%')} | {common.fmt(r['torch_compile_mfu'], '.1%')} |")
-    lines += [
-        "", "## Memory and largest batch", "",
-        "| mode | jamp peak | vs fp32 | PyTorch eager peak | PyTorch compile peak "
-        "| jamp XLA step | jamp JAX-level | jamp max batch | PyTorch max batch |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['mode']} | {common.gib(r['jamp_peak_bytes'])} "
-            f"| {common.fmt(r['jamp_peak_vs_fp32'], '.2f', 'x')} "
-            f"| {common.gib(r['torch_eager_peak_bytes'])} "
-            f"| {common.gib(r['torch_compile_peak_bytes'])} "
-            f"| {common.gib(r['jamp_xla_step_bytes'])} "
-            f"| {common.gib(r['jamp_jax_level_bytes'])} | {common.fmt(r['jamp_max_batch'], 'd')} "
-            f"| {common.fmt(r['torch_max_batch'], 'd')} |")
+    lines += ["", "## Throughput", "", *common.table(
+        "mode | jamp img/s | jamp ms/step | PyTorch eager img/s | PyTorch compile img/s "
+        "| jamp / eager | jamp / compile | jamp MFU | PyTorch compile MFU",
+        ([r["mode"] + (f" (torch {r['torch_mode']})" if r["torch_mode"] else ""),
+          fmt(r["jamp_images_per_sec"], ",.1f"), fmt(r["jamp_step_ms"], ",.1f"),
+          fmt(r["torch_eager_images_per_sec"], ",.1f"),
+          fmt(r["torch_compile_images_per_sec"], ",.1f"), x(r["vs_torch_eager"]),
+          x(r["vs_torch_compile"]), fmt(r["jamp_mfu"], ".1%"), fmt(r["torch_compile_mfu"], ".1%")]
+         for r in rows))]
+    lines += ["", "## Memory and largest batch", "", *common.table(
+        "mode | jamp peak | vs fp32 | PyTorch eager peak | PyTorch compile peak "
+        "| jamp XLA step | jamp JAX-level | jamp max batch | PyTorch max batch",
+        ([r["mode"], gib(r["jamp_peak_bytes"]), x(r["jamp_peak_vs_fp32"]),
+          gib(r["torch_eager_peak_bytes"]), gib(r["torch_compile_peak_bytes"]),
+          gib(r["jamp_xla_step_bytes"]), gib(r["jamp_jax_level_bytes"]),
+          fmt(r["jamp_max_batch"], "d"), fmt(r["torch_max_batch"], "d")] for r in rows))]
+    num = lambda v, unit: fmt(v, ".1%") if unit == "%" else x(v)
     lines += [
         "",
         "jamp peak: `device.memory_stats()['peak_bytes_in_use']`, one process per mode; PyTorch "
@@ -178,15 +154,12 @@ def to_markdown(result: dict[str, Any]) -> str:
         "float32 upcasting). jamp JAX-level: `jamp.memory_report` (params + grads + optimizer "
         "state + residuals, from dtypes; device-independent). Max batch: "
         f"jamp {result['jamp_max_batch_method']}; PyTorch {result['torch_max_batch_method']}.",
-        "", "## Targets", "", "| target | measured | bound | verdict |", "|---|---|---|---|",
-    ]
-    for t in result["targets"]:
-        bound = _num(t["bound"], t["unit"])
-        lines.append(f"| {t['target']} | {_num(t['value'], t['unit'])} | {t['op']} {bound} "
-                     f"| {t['verdict']} |")
-    lines += ["", "## Reference (reported by Colossal-AI, ViT-B/16, batch 128, ImageNet; "
-              "not measured here)", "", "| recipe | memory | img/s |", "|---|---|---|"]
-    lines += [f"| {name} | {gb} GB | {rate} |" for name, gb, rate in REFERENCE]
+        "", "## Targets", "", *common.table("target | measured | bound | verdict", (
+            [t["target"], num(t["value"], t["unit"]), f"{t['op']} {num(t['bound'], t['unit'])}",
+             t["verdict"]] for t in result["targets"])),
+        "", "## Reference (reported by Colossal-AI, ViT-B/16, batch 128, ImageNet; "
+        "not measured here)", "", *common.table(
+            "recipe | memory | img/s", ([name, f"{gb} GB", rate] for name, gb, rate in REFERENCE))]
     if result.get("plot"):
         lines += ["", f"![throughput and memory]({result['plot']})"]
     return "\n".join(lines) + "\n"
@@ -200,15 +173,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    rows = result["rows"]
-    modes = [r["mode"] for r in rows]
-    x = np.arange(len(modes))
+    rows, c = result["rows"], result["config"]
+    x = np.arange(len(rows))
     cpu = result["device"]["platform"] == "cpu"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    series = [("jamp", "jamp_images_per_sec"), ("PyTorch eager", "torch_eager_images_per_sec"),
-              ("PyTorch compile", "torch_compile_images_per_sec")]
-    for i, (label, key) in enumerate(series):
-        ax1.bar(x + (i - 1) * 0.27, [r[key] or 0 for r in rows], 0.27, label=label)
+    for i, (label, key) in enumerate([("jamp", "jamp"), ("PyTorch eager", "torch_eager"),
+                                      ("PyTorch compile", "torch_compile")]):
+        ax1.bar(x + (i - 1) * 0.27, [r[f"{key}_images_per_sec"] or 0 for r in rows], 0.27,
+                label=label)
     ax1.set_ylabel("images/s")
     ax1.set_title("throughput" + (" (CPU: pipeline check, not speed)" if cpu else ""))
     mem_key, mem_label = (("jamp_jax_level_bytes", "JAX-level bytes (memory_report)") if cpu
@@ -220,9 +192,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax2.set_ylabel("GiB")
     ax2.set_title("memory")
     for ax in (ax1, ax2):
-        ax.set_xticks(x, modes, rotation=20)
+        ax.set_xticks(x, [r["mode"] for r in rows], rotation=20)
         ax.legend(fontsize=8)
-    c = result["config"]
     fig.suptitle(f"{sizes.vit_label(c['variant'])} {c['image_size']}px batch {c['batch']} on "
                  f"{result['device']['device_kind']} ({result['date']})")
     fig.tight_layout()
@@ -232,9 +203,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs both benchmarks and (unless ``--no-write``) writes the comparison files."""
-    ap = common.parser(__doc__)
+    ap = common.parser(__doc__, timing=(20, 3))
     common.add_vit(ap)
-    common.add_timing(ap, steps=20, warmup=3)
     ap.add_argument("--modes", type=common.modes, default=list(jamp.MODES), help="jamp modes")
     ap.add_argument("--torch-modes", type=common.split, default=["fp32", "fp16", "bf16"])
     ap.add_argument("--torch-compile", default="eager,compile", help="eager and/or compile")
@@ -248,12 +218,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="keep each subprocess's JSON here and reuse it when the same command "
                          "is run again (to finish a long run in several shorter calls)")
     args = ap.parse_args(argv)
-
-    shared = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-              if v is not None and k in ("variant", "patch_size", "image_size", "batch",
-                                         "num_classes", "num_layers", "steps", "warmup")]
+    config = {k: getattr(args, k) for k in ("variant", "image_size", "batch", "steps", "warmup",
+                                            "remat", "num_classes", "num_layers")}
+    shared = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
+        "variant", "patch_size", "image_size", "batch", "num_classes", "num_layers", "steps",
+        "warmup") if getattr(args, k) is not None]
     extra = ["--max-batch"] if args.max_batch else []
-    jamp_runs, torch_runs = [], []
     keep = args.keep_dir
     with (contextlib.nullcontext(keep) if keep
           else tempfile.TemporaryDirectory(prefix="jamp-bench-")) as tmp:
@@ -267,29 +237,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 return json.loads(path.read_text())
             return _run(script, flags, path, args.timeout)
 
-        for mode in args.modes:
-            flags = shared + ["--modes", mode] + extra + (["--remat"] if args.remat else [])
-            jamp_runs.append(child("throughput", f"jamp-{mode}", flags))
-        for mode in args.torch_modes:
-            flags = shared + ["--modes", mode, "--compile", args.torch_compile] + extra
-            if args.torch_threads:
-                flags += ["--threads", str(args.torch_threads)]
-            torch_runs.append(child("torch_amp", f"torch-{mode}", flags))
+        jamp_runs = [child("throughput", f"jamp-{mode}", shared + ["--modes", mode] + extra
+                           + (["--remat"] if args.remat else [])) for mode in args.modes]
+        torch_runs = [child("torch_amp", f"torch-{mode}", shared + [
+            "--modes", mode, "--compile", args.torch_compile] + extra + (
+            ["--threads", str(args.torch_threads)] if args.torch_threads else []))
+            for mode in args.torch_modes]
     device = jamp_runs[0]["device"]
     on_cpu = device["platform"] == "cpu"
     rows = merge(jamp_runs, torch_runs)
-    first = lambda runs, key: next((r[key] for run in runs for r in run["results"]), None)
+    first = lambda runs, key, eager=False: next((r[key] for run in runs for r in run["results"]
+                                                 if not (eager and r["compiled"])), None)
     result = dict(
         **common.header("run_all", argv, "throughput", with_jax=False), device=device,
         torch_device=torch_runs[0]["device"] if torch_runs else {"torch": "not run"},
-        config=dict(variant=args.variant, image_size=args.image_size, batch=args.batch,
-                    steps=args.steps, warmup=args.warmup, remat=args.remat,
-                    num_classes=args.num_classes, num_layers=args.num_layers),
-        flops_per_image=first(jamp_runs, "flops_per_image"),
+        config=config, flops_per_image=first(jamp_runs, "flops_per_image"),
         torch_impl=first(torch_runs, "impl") or "not run",
         jamp_max_batch_method=first(jamp_runs, "max_batch_method"),
-        torch_max_batch_method=next((r["max_batch_method"] for run in torch_runs
-                                     for r in run["results"] if not r["compiled"]), "not run"),
+        torch_max_batch_method=first(torch_runs, "max_batch_method", eager=True) or "not run",
         rows=rows, targets=targets(rows, on_cpu), jamp=jamp_runs, torch=torch_runs)
     stem = common.results_stem(args.out_dir, "throughput",
                                "cpu" if on_cpu else common.slug(device["device_kind"]))
