@@ -1,23 +1,16 @@
 """The PyTorch baseline: the same ViT trained with AdamW in fp32, autocast fp16 and bf16.
 
-Runs timm's ``vit_<size>_patch<p>_<image>`` when timm is installed and the
-shape is one timm names (``--impl auto``), else :class:`ViT` below, the same
-architecture written with ``torch.nn`` (pre-LN blocks, fused QKV projection,
-``scaled_dot_product_attention``, class token, learned position embeddings,
-LayerNorm eps 1e-6). Modes:
-
-- ``fp32``: no autocast (TF32 matmuls on Ampere+ unless ``--no-tf32``, as XLA's
-  default precision for float32 matmuls on GPU);
-- ``fp16``: ``torch.autocast(float16)`` + ``torch.amp.GradScaler`` (torch AMP);
-- ``bf16``: ``torch.autocast(bfloat16)``, no scaler;
-
-each eager and/or under ``torch.compile`` (``--compile eager,compile``). The
-batch is synthetic and lives on the device. Reported per run, like
-``benchmarks.throughput``: images/s from the median step time (``torch.cuda.synchronize``
-after each step), peak memory (``torch.cuda.max_memory_allocated`` since a reset;
-``None`` on CPU), MFU from the analytic FLOPs, and with ``--max-batch`` the
-largest batch (multiple of 8) that trains without running out of memory, found
-by trying steps (CUDA eager only; ``None`` elsewhere).
+Runs timm's ``vit_<size>_patch<p>_<image>`` when timm is installed and names the shape
+(``--impl auto``), else :class:`ViT` below, the same architecture in ``torch.nn``
+(pre-LN blocks, fused QKV, ``scaled_dot_product_attention``, class token, learned
+position embeddings, LayerNorm eps 1e-6). Modes: ``fp32`` (no autocast; TF32 matmuls on
+Ampere+ unless ``--no-tf32``, as XLA's default on GPU), ``fp16`` (``torch.autocast`` +
+``torch.amp.GradScaler``: torch AMP), ``bf16`` (autocast, no scaler); each eager and/or
+under ``torch.compile`` (``--compile eager,compile``), on a synthetic device-resident batch.
+Reported per run, like ``benchmarks.throughput``: images/s from the median step time
+(``torch.cuda.synchronize`` after each step), peak memory (``torch.cuda.max_memory_allocated``;
+``None`` on CPU), MFU, and with ``--max-batch`` the largest batch (multiple of 8) that
+trains without running out of memory, found by trying steps (CUDA eager only).
 
 Usage::
 
@@ -40,15 +33,14 @@ from torch import nn
 from benchmarks import common
 from jamp.models import sizes
 
-TORCH_MODES = ("fp32", "fp16", "bf16")
-_AUTOCAST = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+TORCH_MODES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+"""The PyTorch modes and their autocast dtypes."""
 
 
 class Block(nn.Module):
     """Pre-LN transformer block: x + Attn(LN(x)), then x + MLP(LN(x)).
 
     Example:
-      >>> import torch
       >>> Block(8, 2, 16)(torch.zeros(1, 3, 8)).shape
       torch.Size([1, 3, 8])
     """
@@ -57,11 +49,9 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.fc1 = nn.Linear(dim, mlp_dim)
-        self.fc2 = nn.Linear(mlp_dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, mlp_dim), nn.Linear(mlp_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -76,7 +66,6 @@ class ViT(nn.Module):
     """Vision Transformer classifier (class token, learned positions), NCHW input.
 
     Example:
-      >>> import torch
       >>> ViT(image_size=8, patch_size=4, hidden_size=8, num_layers=1, num_heads=2,
       ...     mlp_dim=16, num_classes=3)(torch.zeros(2, 3, 8, 8)).shape
       torch.Size([2, 3])
@@ -128,18 +117,16 @@ def _sync(device: torch.device) -> None:
 def make_step(model: nn.Module, mode: str, device: torch.device, compiled: bool,
               args: argparse.Namespace):
     """Returns ``step(images, labels) -> loss`` (one AdamW update) for a mode."""
-    fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.05,
-                            fused=fused)
+                            fused=device.type == "cuda")
     forward = torch.compile(model, mode=args.compile_mode) if compiled else model
-    dtype = _AUTOCAST[mode]
+    dtype = TORCH_MODES[mode]
     scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None
 
     def step(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        ctx = (torch.autocast(device.type, dtype=dtype) if dtype is not None
-               else contextlib.nullcontext())
-        with ctx:
+        with (torch.autocast(device.type, dtype=dtype) if dtype is not None
+              else contextlib.nullcontext()):
             loss = F.cross_entropy(forward(images).float(), labels)
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -164,8 +151,7 @@ def synthetic_batch(args: argparse.Namespace, batch: int,
 
 def max_batch(mode: str, device: torch.device, args: argparse.Namespace) -> int | None:
     """Largest batch (multiple of 8) for which two eager steps run without CUDA OOM."""
-    model = build_model(args)[0].to(device)
-    step = make_step(model, mode, device, False, args)
+    step = make_step(build_model(args)[0].to(device), mode, device, False, args)
 
     def fits(batch: int) -> bool:
         try:
@@ -191,7 +177,8 @@ def run(mode: str, compiled: bool, args: argparse.Namespace,
     model, impl = build_model(args)
     model = model.to(device)
     images, labels = synthetic_batch(args, args.batch, device)
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     step = make_step(model, mode, device, compiled, args)
@@ -205,36 +192,26 @@ def run(mode: str, compiled: bool, args: argparse.Namespace,
         out["loss"] = step(images, labels)
         _sync(device)
 
-    times = common.time_steps(timed, warmup=max(args.warmup - 1, 0), steps=args.steps)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    flops = sizes.train_flops_per_image(
-        args.variant, image_size=args.image_size, patch_size=args.patch_size,
-        num_classes=args.num_classes, num_layers=args.num_layers)
-    name = common.peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    times = common.time_steps({mode: timed}, warmup=max(args.warmup - 1, 0),
+                              steps=args.steps)[mode]
+    flops = common.train_flops(args)
     row: dict[str, Any] = dict(
         framework="torch", mode=mode, compiled=compiled, impl=impl, batch=args.batch,
-        first_step_s=first_s, **common.summarize_times(times, args.batch), peak_bytes=peak,
+        first_step_s=first_s, **common.summarize_times(times, args.batch),
+        peak_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
         flops_per_image=flops, final_loss=float(out["loss"]))
-    row["mfu"] = common.mfu(row["images_per_sec"], flops, name)
+    peak = common.peak_tflops(torch.cuda.get_device_name(device)) if cuda else None
+    row["mfu"] = common.mfu(row["images_per_sec"], flops, peak)
     row["max_batch"], row["max_batch_method"] = None, "skipped (--max-batch not given)"
     if args.max_batch and not compiled:
-        if device.type == "cuda":
+        row["max_batch_method"] = f"n/a on {device.type}"
+        if cuda:
             del step, model, images, labels
             gc.collect()
             row["max_batch"] = max_batch(mode, device, args)
             row["max_batch_method"] = (f"eager steps until CUDA OOM, memory fraction "
                                        f"{args.memory_fraction}")
-        else:
-            row["max_batch_method"] = f"n/a on {device.type}"
     return row
-
-
-def device_info(device: torch.device) -> dict[str, Any]:
-    """The device and software versions."""
-    kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return dict(platform=device.type, device_kind=kind, peak_tflops=common.peak_tflops(kind),
-                torch=torch.__version__, cuda=torch.version.cuda,
-                threads=torch.get_num_threads(), machine=common.machine())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -245,9 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       >>> args.patch_size, args.modes, args.compile
       (8, ['fp32', 'fp16', 'bf16'], ['eager'])
     """
-    ap = common.parser(__doc__, json_out=True)
+    ap = common.parser(__doc__, json_out=True, timing=(20, 3))
     common.add_vit(ap)
-    common.add_timing(ap, steps=20, warmup=3)
     ap.add_argument("--modes", type=common.split, default=list(TORCH_MODES))
     ap.add_argument("--compile", type=common.split, default=["eager", "compile"],
                     help="comma-separated: eager and/or compile (torch.compile)")
@@ -279,17 +255,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = args.tf32
-        torch.backends.cudnn.allow_tf32 = args.tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
-    info = device_info(device)
+    kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    info = dict(platform=device.type, device_kind=kind, peak_tflops=common.peak_tflops(kind),
+                torch=torch.__version__, cuda=torch.version.cuda,
+                threads=torch.get_num_threads(), machine=common.machine())
     print(f"torch baseline: ViT-{args.variant} {args.image_size}px batch {args.batch} on "
-          f"{info['device_kind']}, torch {torch.__version__}", flush=True)
+          f"{kind}, torch {torch.__version__}", flush=True)
     rows = []
     for mode in args.modes:
         for how in args.compile:
-            row = run(mode, how == "compile", args, device)
-            rows.append(row)
+            rows.append(row := run(mode, how == "compile", args, device))
             print(f"  {mode:<5} {how:<8} {row['images_per_sec']:9.1f} img/s  "
                   f"step {row['step_ms']:8.1f} ms  first step {row['first_step_s']:5.1f} s  "
                   f"peak {common.gib(row['peak_bytes'])}  MFU {common.fmt(row['mfu'], '.1%')}  "
