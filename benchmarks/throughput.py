@@ -1,22 +1,16 @@
 """Training throughput, memory and MFU of a jamp ViT per precision mode.
 
-For each mode, builds ``jamp.apply_policy(vit.create(...), mode)`` with AdamW wrapped by
-``jamp.make_optimizer``, places a synthetic batch on the device (no input pipeline),
-compiles ``jamp.train_step`` with the train state donated, runs warm-up steps, then
-times steps one by one with ``block_until_ready``. Reports per mode:
-
-- images/s from the median step time (and the p10/p90 step times);
-- peak device memory from ``device.memory_stats()`` (GPU/TPU; ``None`` on CPU). It covers
-  the whole process: for one figure per mode run one mode per process (``run_all`` does);
-- the compiled step's XLA memory analysis (arguments + outputs - aliased + temps);
-- the JAX-level memory report (``jamp.memory_report``: params, grads, optimizer state,
-  residuals, activations);
-- MFU: analytic training FLOPs per image times images/s over the device's dense
-  bf16/fp16 peak (known GPUs only);
-- with ``--max-batch``: the largest batch (multiple of 8) whose compiled step fits the
-  device's memory limit by XLA's compile-time memory analysis (two compiles give bytes
-  per example, the search starts at the predicted batch), confirmed by running two steps
-  (GPU; on CPU only with an explicit ``--memory-limit-gib``, unconfirmed, else ``None``).
+For each mode, compiles ``jamp.train_step`` (train state donated) for
+``jamp.apply_policy(vit.create(...), mode)`` with AdamW wrapped by ``jamp.make_optimizer``
+on a synthetic device-resident batch, runs warm-up steps, then times steps one by one
+(``block_until_ready``). Reports per mode: images/s from the median step time (and
+p10/p90); peak device memory (``device.memory_stats()``, whole process: ``run_all`` runs
+one mode per process; ``None`` on CPU); the compiled step's XLA memory analysis
+(arguments + outputs - aliased + temps); ``jamp.memory_report`` (params, grads,
+optimizer state, residuals, activations); MFU (analytic FLOPs x images/s over the
+device's dense bf16/fp16 peak, known GPUs only); with ``--max-batch``, the largest batch
+(multiple of 8) whose compiled step fits the memory limit by XLA's compile-time analysis,
+confirmed by running two steps (GPU; on CPU only with ``--memory-limit-gib``, unconfirmed).
 
 XLA:CPU computes float16/bfloat16 by upcasting to float32, so CPU runs show that the
 pipeline works, not what half precision gains.
