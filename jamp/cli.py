@@ -48,9 +48,9 @@ from ml_collections import ConfigDict, config_flags
 from jamp import data, parallel
 from jamp.checkpoint import CheckpointError
 from jamp.config import FIELD_HELP, vit_config
-from jamp.experiment import ConfigError
+from jamp.experiment import ConfigError, UnsafeModeWarning
 from jamp.loss_scale import LossScaleDivergedError
-from jamp.train import UnsafeModeWarning, train_and_evaluate
+from jamp.train import train_and_evaluate
 
 USER_ERRORS = (ConfigError, data.DatasetNotFoundError, CheckpointError, LossScaleDivergedError)
 """Errors reported as one paragraph (no traceback)."""

@@ -6,6 +6,11 @@ with the mode's loss scale -> the train state, sharded by the logical axis rules
 :func:`validate_config` refuses sizes that cannot work before anything is built,
 with the fix in the message; :mod:`jamp.train` runs the experiment.
 
+:func:`validate_config` is the one validation pass: field ranges, the batch and the
+model against the mesh, the run directory (:func:`check_workdir`), and the modes
+known to be unsafe (``fp16_pure`` warns with :class:`UnsafeModeWarning`). It runs
+inside :func:`build_experiment`, before anything is built or written.
+
 Example:
   >>> import jax
   >>> from jamp.config import vit_config
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -38,9 +45,9 @@ from absl import flags
 from flax import nnx
 from flax.training import train_state
 
-from jamp import data, parallel
+from jamp import data, nnx_functional, parallel
 from jamp.apply import apply_policy
-from jamp.config import FIELD_HELP
+from jamp.config import FIELDS
 from jamp.models import vit, vit_nnx
 from jamp.models.sizes import vit_dims
 from jamp.parallel.pipeline import GPipe
@@ -52,6 +59,10 @@ Config = ml_collections.ConfigDict
 
 class ConfigError(ValueError):
     """The config cannot be trained as given; the message says what to change."""
+
+
+class UnsafeModeWarning(UserWarning):
+    """The precision mode is known to lose updates or diverge (``fp16_pure``)."""
 
 
 @dataclasses.dataclass
@@ -75,6 +86,15 @@ class Experiment:
     steps_per_epoch: int
     total_steps: int
     apply_fn: Callable[..., Any]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """What a checkpoint records of the run, so a restore into another model is refused."""
+        c = self.config
+        return {"mode": self.precision.name, "dataset": c.dataset, "model": c.model,
+                "framework": c.framework, "patch_size": c.patch_size,
+                "image_size": c.image_size, "batch_size": c.batch_size, "seed": c.seed,
+                "optimizer": c.optimizer, **model_dims(c)}
 
 
 def precision_from_config(config: Config) -> MixedPrecision:
@@ -159,12 +179,16 @@ def model_dims(config: Config) -> dict[str, int]:
         raise ConfigError(f"--config.model: {e}") from None
 
 
-def validate_config(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None) -> None:
+def validate_config(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None,
+                    workdir: str | None = None) -> None:
     """Raises a :class:`ConfigError` naming the fix if ``config`` cannot train on ``mesh``.
 
-    Runs before anything is built: the batch against processes, 'data' shards and
-    microbatches; the model against 'model' and the pipeline stages; image and patch
-    sizes; the loader's worker processes.
+    Runs before anything is built: every field's range (:func:`check_values`); the
+    batch against processes, 'data' shards and microbatches; the model against
+    'model' and the pipeline stages; image and patch sizes; the loader's worker
+    processes; the run directory, if given (:func:`check_workdir`). A mode that
+    keeps float16 parameters without fp32 master weights warns
+    (:class:`UnsafeModeWarning`).
 
     Example:
       >>> from jamp.config import vit_config
@@ -187,52 +211,56 @@ def validate_config(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | N
             f"--config.worker_count={config.worker_count}: grain's worker processes read "
             "absl flags, and they are not parsed. Use the jamp.train command (absl.app parses "
             "them), call absl.flags.FLAGS.mark_as_parsed() first, or set worker_count=0.")
+    if workdir is not None:
+        check_workdir(workdir)
+    mp = precision_from_config(config)
+    if mp.policy.param_dtype == jnp.float16 and not mp.master_weights:
+        warnings.warn(
+            f"mode {mp.name} keeps parameters and optimizer state in float16 without fp32 "
+            "master weights: small gradients underflow, updates below float16's resolution "
+            "are lost, and runs often diverge (the digits benchmark stops at step 70). Use it "
+            "for speed baselines only; --config.mode=fp16 trains with fp32 master weights.",
+            UnsafeModeWarning, stacklevel=3)
 
 
-def _at_least(low: float) -> Callable[[Any], bool]:
-    return lambda v: v >= low
+def check_workdir(workdir: str) -> None:
+    """Raises a :class:`ConfigError` if ``workdir`` cannot hold a run.
 
+    Writes nothing: the directory (or its nearest existing parent) must be a
+    writable directory.
 
-def _in(low: float, high: float) -> Callable[[Any], bool]:  # low <= v < high
-    return lambda v: low <= v < high
-
-
-# (field, test, requirement, example): what every numeric field must satisfy.
-_LIMITS: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
-    ("seed", _in(0, 2**32), "in [0, 2**32)", "0"),
-    ("image_size", _at_least(1), ">= 1", "32"),
-    ("worker_count", _at_least(0), ">= 0", "0"),
-    ("patch_size", _at_least(1), ">= 1", "4"),
-    ("num_layers", _at_least(1), ">= 1 (or None for the size's default)", "4"),
-    ("hidden_size", _at_least(1), ">= 1 (or None for the size's default)", "64"),
-    ("num_heads", _at_least(1), ">= 1 (or None for the size's default)", "4"),
-    ("mlp_dim", _at_least(1), ">= 1 (or None for the size's default)", "128"),
-    ("dropout_rate", _in(0, 1), "in [0, 1)", "0.1"),
-    ("batch_size", _at_least(1), ">= 1", "64"),
-    ("num_epochs", _at_least(1), ">= 1", "10"),
-    ("learning_rate", lambda v: v > 0, "> 0", "0.001"),
-    ("weight_decay", _at_least(0), ">= 0", "0.05"),
-    ("momentum", _in(0, 1), "in [0, 1)", "0.9"),
-    ("warmup_steps", _at_least(0), ">= 0", "50"),
-    ("grad_clip_norm", _at_least(0), ">= 0 (0: no clipping)", "1.0"),
-    ("label_smoothing", _in(0, 1), "in [0, 1)", "0.1"),
-    ("pipeline_microbatches", _at_least(1), ">= 1", "4"),
-    ("fp8_amax_history_length", _at_least(1), ">= 1 (or None: 1024)", "1024"),
-    ("log_every_steps", _at_least(1), ">= 1", "10"),
-    ("eval_every_epochs", _at_least(1), ">= 1", "1"),
-    ("checkpoint_every_steps", _at_least(1), ">= 1", "100"),
-    ("keep_checkpoints", _at_least(1), ">= 1", "2"),
-    ("max_steps", _at_least(1), ">= 1 (or None: train num_epochs)", "100"),
-)
+    Example:
+      >>> import tempfile
+      >>> check_workdir(tempfile.mkdtemp() + "/new/run")   # created later, by the run
+      >>> try:
+      ...     check_workdir(tempfile.mkstemp()[1])
+      ... except ConfigError as e:
+      ...     print(str(e).split(": ")[1].split(".")[0])
+      it is a file, not a directory
+    """
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir={workdir}: it is a file, not a directory. Pass a "
+                          "directory (it is created if missing), e.g. --workdir runs/my_run.")
+    parent = workdir
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--workdir={workdir} cannot be created: {parent} is a file. "
+                          "Pass a path under a directory, e.g. --workdir runs/my_run.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--workdir={workdir} cannot be written: {parent} is read-only for "
+                          "this user. Pass a directory you can write to, e.g. --workdir "
+                          "runs/my_run (a relative path is under the current directory).")
 
 
 def check_values(config: Config) -> None:
     """Raises a :class:`ConfigError` for a field whose value makes no sense on its own.
 
-    Every numeric field is range-checked (a batch of 0, a negative learning rate or
-    ``max_steps``, a NaN, a dropout of 1), and ``optimizer`` must be known; the
-    loss-scale fields are checked by :func:`precision_from_config`, the mesh by
-    :func:`build_experiment`. Runs first, before anything is built or compiled.
+    Every field with limits in :data:`jamp.config.FIELDS` is range-checked (a batch
+    of 0, a negative learning rate or ``max_steps``, a NaN, a dropout of 1), and
+    ``optimizer`` must be known; the loss-scale fields are checked by
+    :func:`precision_from_config`, the mesh by :func:`build_experiment`. Runs first,
+    before anything is built or compiled.
 
     Example:
       >>> from jamp.config import vit_config
@@ -243,15 +271,15 @@ def check_values(config: Config) -> None:
       ...     print(str(e).split(" (")[0])
       --config.batch_size=-8 is out of range: batch_size must be >= 1, e.g. --config.batch_size=64
     """
-    for key, ok, requirement, example in _LIMITS:
-        value = config.get(key)
-        if value is None and ("None" in requirement):
+    for key, field in FIELDS.items():
+        value, limits = config.get(key), field.limits
+        if limits is None or (value is None and isinstance(field.default, type)):
             continue
         if (isinstance(value, bool) or not isinstance(value, int | float)
-                or not math.isfinite(value) or not ok(value)):
+                or not math.isfinite(value) or not limits.test(value)):
             raise ConfigError(
-                f"--config.{key}={value!r} is out of range: {key} must be {requirement}, "
-                f"e.g. --config.{key}={example} ({FIELD_HELP[key]}).")
+                f"--config.{key}={value!r} is out of range: {key} must be "
+                f"{limits.requirement}, e.g. --config.{key}={limits.example} ({field.help}).")
     if config.optimizer not in ("adamw", "sgd"):
         raise ConfigError(f"--config.optimizer={config.optimizer!r}: use 'adamw' or 'sgd'.")
     if config.get("framework", "linen") not in ("linen", "nnx"):
@@ -309,8 +337,9 @@ def _check_model(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None
                           f"num_heads={dims['num_heads']}.")
 
 
-def build_experiment(config: Config) -> Experiment:
-    """Validates ``config`` and builds mesh, pipeline, dataset info, model and optimizer.
+def build_experiment(config: Config, workdir: str | None = None) -> Experiment:
+    """Validates ``config`` (and ``workdir``) and builds mesh, pipeline, dataset info,
+    model and optimizer.
 
     Raises:
       ConfigError / DatasetNotFoundError with a message naming the fix.
@@ -329,7 +358,7 @@ def build_experiment(config: Config) -> Experiment:
     pipeline = pipeline_from_config(config, mesh)
     if pipeline is not None and mp.fp8 is not None:  # e.g. fp8 state: real microbatches only
         pipeline = dataclasses.replace(pipeline, on_tick=mp.fp8.strategy.pipeline_hook())
-    validate_config(config, mesh, pipeline)
+    validate_config(config, mesh, pipeline, workdir)
     info = data.get_dataset_info(config.dataset, config.data_dir)
     module = vit.create(config.model, num_classes=info.num_classes, patch_size=config.patch_size,
                         dropout_rate=config.dropout_rate, remat=config.remat,
@@ -345,7 +374,7 @@ def build_experiment(config: Config) -> Experiment:
         abstract = nnx.eval_shape(lambda: apply_policy(vit_nnx.ViT(
             **_fields(module), image_size=config.image_size, channels=info.image_shape[-1],
             rngs=nnx.Rngs(0)), mp))
-        apply_fn, _ = vit_nnx.functional(abstract)
+        apply_fn, _ = nnx_functional.functional(abstract)
     return Experiment(config, mp, mesh, info, model, pipeline,
                       build_optimizer(config, total_steps, mp), steps_per_epoch, total_steps,
                       apply_fn)
@@ -369,7 +398,7 @@ def _create_state(exp: Experiment, rng: jax.Array) -> train_state.TrainState:
             model = vit_nnx.from_linen(exp.model, variables["params"],
                                        image_size=exp.config.image_size)
         model = apply_policy(model, exp.precision)
-        _, params = vit_nnx.functional(model, boxed=True)
+        _, params = nnx_functional.functional(model, boxed=True)
         # The model's fp8 state (if any), per layer as linen's collection, beside the params.
         extra = {} if exp.precision.fp8 is None else exp.precision.fp8.strategy.nnx_variables(model)
         return _new_state(exp, exp.apply_fn, params, extra)

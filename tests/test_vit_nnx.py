@@ -1,7 +1,7 @@
 """The NNX ViT against the linen ViT (issue 13, item 4).
 
 From the same initial weights (``vit_nnx.from_linen``), the NNX ViT trained through
-``vit_nnx.functional`` with ``jamp.train_step`` gives bit for bit the losses and loss
+``nnx_functional.functional`` with ``jamp.train_step`` gives bit for bit the losses and loss
 scales of the linen ViT over 20 steps in fp32, fp16, bf16 and fp16_naive (the two trace to
 the same operations in the same dtypes; tolerance 0 on CPU). The fp16 modes start at a loss
 scale that overflows, so the trajectories include skips and growth. Then: the jaxpr dtype
@@ -28,7 +28,7 @@ from flax.training import train_state
 from jaxpr_utils import iter_eqns
 
 import jamp
-from jamp import parallel
+from jamp import nnx_functional, parallel
 from jamp.models import vit, vit_nnx
 
 SIZES = dict(num_classes=10, patch_size=4, num_layers=2, hidden_size=16, num_heads=2,
@@ -139,7 +139,7 @@ def test_linen_and_nnx_train_alike(mode, linen_module, linen_params):
     model = _nnx_model(linen_module, linen_params, mode)
     # Linen's own init in this mode gives these (rounded) weights: see the test above.
     linen = _train(jamp.apply_policy(linen_module, mp).apply, vit_nnx.to_linen(model), mp)
-    ours = _train(*vit_nnx.functional(model), mp)
+    ours = _train(*nnx_functional.functional(model), mp)
     assert ours == linen  # bit for bit: losses and loss scales
     losses, scales = np.array(ours).T
     assert losses[-1] < 0.9 * losses[0]  # it trains
@@ -163,7 +163,7 @@ def test_jaxpr_dtypes_every_mode_and_as_linen(mode, linen_module, linen_params):
     compute = str(jnp.dtype(mp.policy.compute_dtype))
     model = nnx.eval_shape(  # abstract: the jaxprs need shapes and dtypes only
         lambda: jamp.apply_policy(vit_nnx.from_linen(linen_module, linen_params), mp))
-    apply_fn, params = vit_nnx.functional(model)
+    apply_fn, params = nnx_functional.functional(model)
     linen = jamp.apply_policy(linen_module, mp)
     linen_params_mode = vit_nnx.to_linen(model)
     x = jnp.linspace(-1.0, 1.0, 2 * np.prod(IMAGE)).reshape(2, *IMAGE)
@@ -273,7 +273,7 @@ def test_nnx_checkpoint_resumes_exactly_mid_growth_interval(nnx_fp16, tmp_path):
 def test_data_and_tensor_parallel_step_from_the_nnx_metadata(linen_module, linen_params):
     """The trainer's recipe, NNX params boxed: shardings from the logical names, one step."""
     tx = jamp.make_optimizer(jamp.mixed_precision("fp16", init_scale=2.0**8), optax.adam(1e-2))
-    apply_fn, boxed = vit_nnx.functional(_nnx_model(linen_module, linen_params, "fp16"),
+    apply_fn, boxed = nnx_functional.functional(_nnx_model(linen_module, linen_params, "fp16"),
                                          boxed=True)
     create = lambda p: train_state.TrainState.create(apply_fn=apply_fn, params=p, tx=tx)
     state = jax.eval_shape(create, boxed)
@@ -303,8 +303,8 @@ def test_gpipe_layer_runner_matches_the_scan(linen_module, linen_params):
     piped = vit_nnx.from_linen(linen_module.clone(layer_runner=parallel.pipeline.GPipe(2, 2)),
                                linen_params)
     x = BATCHES[0]["image"]
-    apply_plain, params = vit_nnx.functional(plain)
-    apply_piped, _ = vit_nnx.functional(piped)
+    apply_plain, params = nnx_functional.functional(plain)
+    apply_piped, _ = nnx_functional.functional(piped)
     # The head is zero-initialised: compare the features it sees.
     features = lambda f: lambda p, x: f({"params": {**p, "head": {
         "kernel": jnp.eye(16, 10), "bias": jnp.zeros(10)}}}, x)
@@ -326,8 +326,8 @@ def test_unscanned_rematted_blocks_and_dropout_match_linen(linen_module, linen_p
     model = vit_nnx.from_linen(module, params)
     assert sorted(vit_nnx.to_linen(model)["encoder"]) == ["layers_0", "layers_1"]
     # Attention dropout only happens in the encoder blocks; dropout_rate everywhere.
-    apply_fn, nnx_params = vit_nnx.functional(model)
-    dropouts = [vit_nnx.functional(vit_nnx.from_linen(module.clone(**rate), params))[0]
+    apply_fn, nnx_params = nnx_functional.functional(model)
+    dropouts = [nnx_functional.functional(vit_nnx.from_linen(module.clone(**rate), params))[0]
                 for rate in ({"attention_dropout_rate": 0.5}, {"dropout_rate": 0.5})]
 
     @functools.partial(jax.jit, compiler_options=FAST)
@@ -378,7 +378,7 @@ def test_clear_errors(linen_module, linen_params):
     with pytest.raises(TypeError, match="expects a jamp.models.vit.ViT"):
         vit_nnx.from_linen(nn.Dense(2), linen_params)
     with pytest.raises(ValueError, match=r"only state is nnx.Param.*BatchStat"):
-        vit_nnx.functional(nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
+        nnx_functional.functional(nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
 
 
 def test_trainer_switch_builds_the_nnx_state_from_the_linen_weights():

@@ -1,6 +1,6 @@
 """Delayed-scaling fp8 (mode "fp8") with the NNX ViT, on linen's machinery (issue 14).
 
-``vit_nnx.functional``'s ``apply_fn`` reads the fp8 state from
+``nnx_functional.functional``'s ``apply_fn`` reads the fp8 state from
 ``variables[jamp.fp8.COLLECTION]`` as the linen ViT does, so ``jamp.fp8.TrainState``,
 ``jamp.train_step`` and ``jamp.fp8.commit`` train both. From the same weights the NNX
 ViT gives bit for bit linen's losses, parameters and fp8 state (the same per-layer
@@ -23,6 +23,7 @@ import optax
 import pytest
 
 import jamp
+from jamp import nnx_functional
 from jamp.models import vit, vit_nnx
 
 SIZES = dict(num_classes=10, patch_size=4, num_layers=2, hidden_size=16, num_heads=2,
@@ -130,15 +131,15 @@ def trajectories(linen_module, linen_variables):
     linen = _train(jamp.apply_policy(linen_module, MP).apply, linen_variables["params"],
                    linen_variables[jamp.fp8.COLLECTION])
     model = _nnx_model(linen_module, linen_variables)
-    apply_fn, params = vit_nnx.functional(model)
-    return linen, _train(apply_fn, params, vit_nnx.fp8_state(model))
+    apply_fn, params = nnx_functional.functional(model)
+    return linen, _train(apply_fn, params, nnx_functional.fp8_state(model))
 
 
 # ----------------------------------------------------------------------------- parity
 
 
 def test_initial_fp8_state_has_linens_layout_stacked_per_layer(linen_module, linen_variables):
-    meta = vit_nnx.fp8_state(_nnx_model(linen_module, linen_variables))
+    meta = nnx_functional.fp8_state(_nnx_model(linen_module, linen_variables))
     assert _same_fp8(linen_variables[jamp.fp8.COLLECTION], meta)
     node = meta["encoder"]["layers"]["mlp"]["fc1"]["dot_general"]
     assert sorted(node) == sorted(jamp.fp8.META_NAMES)  # what jamp.fp8.commit walks
@@ -188,8 +189,8 @@ def test_skipped_step_leaves_the_nnx_fp8_state_bit_identical(trajectories):
 def test_apply_fn_says_when_the_fp8_state_is_missing_or_not_the_models(linen_module,
                                                                       linen_variables):
     model = _nnx_model(linen_module, linen_variables)
-    apply_fn, params = vit_nnx.functional(model)
-    meta = vit_nnx.fp8_state(model)
+    apply_fn, params = nnx_functional.functional(model)
+    meta = nnx_functional.fp8_state(model)
     images = jnp.asarray(BATCHES[0]["image"])
     with pytest.raises(ValueError, match=r"fp8 matmuls .* variables\['_overwrite_with_grad"):
         jax.eval_shape(apply_fn, {"params": params}, images)
@@ -200,11 +201,11 @@ def test_apply_fn_says_when_the_fp8_state_is_missing_or_not_the_models(linen_mod
     short = jax.tree.map(lambda x: x[..., :1], meta)
     with pytest.raises(ValueError, match=r"mis-shaped .*input_amax_history: \(2, 1\) \(needs "):
         jax.eval_shape(apply_fn, {"params": params, jamp.fp8.COLLECTION: short}, images)
-    with pytest.raises(TypeError, match="must be the nested dict of vit_nnx.fp8_state"):
+    with pytest.raises(TypeError, match="must be the nested dict of jamp.nnx_functional.fp8_state"):
         jax.eval_shape(apply_fn, {"params": params, jamp.fp8.COLLECTION: jnp.ones(2)}, images)
     bf16 = jamp.apply_policy(vit_nnx.from_linen(linen_module, linen_variables["params"]), "bf16")
-    bf16_fn, bf16_params = vit_nnx.functional(bf16)
-    assert vit_nnx.fp8_state(bf16) == {}
+    bf16_fn, bf16_params = nnx_functional.functional(bf16)
+    assert nnx_functional.fp8_state(bf16) == {}
     with pytest.raises(ValueError, match="unexpected"):
         jax.eval_shape(bf16_fn, {"params": bf16_params, jamp.fp8.COLLECTION: meta}, images)
 
