@@ -77,7 +77,7 @@ def _check_fp8(given: Any, expected: dict[str, tuple[int, ...]]) -> None:
     """Raises a ValueError naming the entries where ``given`` is not the model's fp8 state."""
     if not isinstance(given, Mapping):
         raise TypeError(f"variables[{fp8.COLLECTION!r}] must be the nested dict of "
-                        f"nnx_functional.fp8_state(model), got {type(given).__name__}.")
+                        f"jamp.nnx_functional.fp8_state(model), got {type(given).__name__}.")
     got = _paths(given)
     # Stacked layers' leading axis may be split over pipeline stages (a stage sees its share).
     fits = lambda have, need: have == need or (len(have) == len(need) > 1
@@ -90,8 +90,8 @@ def _check_fp8(given: Any, expected: dict[str, tuple[int, ...]]) -> None:
     raise ValueError(
         f"variables[{fp8.COLLECTION!r}] is not this model's delayed-scaling fp8 state: "
         f"missing {missing}, unexpected {extra}, mis-shaped {shapes}. Pass "
-        "nnx_functional.fp8_state(model) of the model functional() was given (or the fp8 of the "
-        "jamp.fp8.TrainState built from it).")
+        "jamp.nnx_functional.fp8_state(model) of the model functional() was given (or the fp8 "
+        "of the jamp.fp8.TrainState built from it).")
 
 
 def functional(model: nnx.Module, *, boxed: bool = False) -> tuple[ApplyFn, dict[str, Any]]:
@@ -180,9 +180,10 @@ def functional(model: nnx.Module, *, boxed: bool = False) -> tuple[ApplyFn, dict
             raise ValueError(
                 f"This NNX model runs delayed-scaling fp8 matmuls (mode 'fp8') and reads their "
                 f"state from variables[{fp8.COLLECTION!r}], which is missing: pass "
-                f"{{'params': params, jamp.fp8.COLLECTION: nnx_functional.fp8_state(model)}} (a "
-                "jamp.fp8.TrainState holds it as .fp8; jamp.train_step and jamp.eval_step "
-                "pass it), or use mode 'fp8_current', which keeps no state.")
+                "{'params': params, jamp.fp8.COLLECTION: "
+                "jamp.nnx_functional.fp8_state(model)} (a jamp.fp8.TrainState holds it as "
+                ".fp8; jamp.train_step and jamp.eval_step pass it), or use mode 'fp8_current', "
+                "which keeps no state.")
         if meta_shapes or not isinstance(given, Mapping) or given:
             _check_fp8(given, meta_shapes)
         inner = nnx.merge(graphdef, nn.unbox(variables["params"]), given, rest)

@@ -277,7 +277,7 @@ assert int(jamp.overflow_stats(optimizer).steps_skipped) == skipped + 1
 # tensor parallel rules). `vit_nnx.from_linen` builds it from a linen ViT's parameters,
 # bit for bit; under the same mode the two give the same numbers (the test suite trains
 # both for 20 steps in fp32, fp16, bf16 and fp16_naive and compares the losses and loss
-# scales bit for bit). `vit_nnx.functional(model)` gives the `(apply_fn, params)` pair the
+# scales bit for bit). `nnx_functional.functional(model)` gives the `(apply_fn, params)` pair the
 # linen trainer's `TrainState` takes.
 
 # %%

@@ -52,6 +52,15 @@ def test_helpfull_adds_the_libraries_flags_and_exits_0(capsys):
     assert status == 0 and "  --config.batch_size=64 " in out and "logtostderr" in out
 
 
+def test_the_trainer_does_not_import_the_cli():
+    """jamp.cli is the one entry point; ``python -m jamp.train`` reaches it through a lazy
+    import under ``__main__`` (the subprocess tests below run it), not an import circle."""
+    code = "import sys, jamp.train; print(sorted(m for m in sys.modules if m == 'jamp.cli'))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
+
+
 def test_every_config_key_has_one_line_of_meaning():
     assert set(FIELD_HELP) == set(_keys())
     assert all(text and "\n" not in text for text in FIELD_HELP.values())

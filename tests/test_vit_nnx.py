@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -31,6 +34,7 @@ import jamp
 from jamp import nnx_functional, parallel
 from jamp.models import vit, vit_nnx
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = dict(num_classes=10, patch_size=4, num_layers=2, hidden_size=16, num_heads=2,
              mlp_dim=32)
 IMAGE = (8, 8, 1)
@@ -379,6 +383,20 @@ def test_clear_errors(linen_module, linen_params):
         vit_nnx.from_linen(nn.Dense(2), linen_params)
     with pytest.raises(ValueError, match=r"only state is nnx.Param.*BatchStat"):
         nnx_functional.functional(nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
+
+
+def test_the_trainers_view_lives_outside_the_model_module():
+    """``jamp.nnx_functional`` holds ``functional``/``fp8_state``; the model module keeps the
+    old names as aliases, resolved on use, and imports nothing of the trainer's."""
+    assert vit_nnx.functional is nnx_functional.functional
+    assert vit_nnx.fp8_state is nnx_functional.fp8_state
+    with pytest.raises(AttributeError, match="no attribute 'functionals'"):
+        vit_nnx.functionals  # noqa: B018
+    code = ("import sys, jamp.models.vit_nnx; "
+            "print([m for m in ('jamp.nnx_functional', 'jamp.experiment') if m in sys.modules])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
 
 
 def test_trainer_switch_builds_the_nnx_state_from_the_linen_weights():

@@ -1,0 +1,82 @@
+"""The config's fields (each declared once: default, help, limits) and the one validation pass.
+
+Nothing here compiles: ``build_experiment`` only resolves the mesh, the model and the
+optimizer.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from ml_collections import ConfigDict
+
+from jamp import config as config_lib
+from jamp.config import FIELD_HELP, FIELDS, vit_config
+from jamp.experiment import ConfigError, UnsafeModeWarning, build_experiment, check_values
+
+
+def _flat(config: ConfigDict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, ConfigDict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize("arg", [None, "s16,cifar10", "b16,imagenet2012"])
+def test_every_field_of_every_recipe_is_declared_in_the_table(arg):
+    assert sorted(_flat(vit_config("fp16", arg))) == sorted(FIELDS)
+    assert {key: field.help for key, field in FIELDS.items()} == FIELD_HELP
+
+
+def test_defaults_help_and_limits_come_from_the_table(monkeypatch):
+    warmup = FIELDS["warmup_steps"]
+    monkeypatch.setitem(FIELDS, "warmup_steps", warmup._replace(
+        default=7, limits=config_lib.Limit(lambda v: v >= 8, ">= 8 (test)", "8")))
+    config = vit_config("fp16")
+    assert config.warmup_steps == 7
+    with pytest.raises(ConfigError, match=r"warmup_steps must be >= 8 \(test\), e.g. "
+                                          r"--config.warmup_steps=8 \(linear warm-up"):
+        check_values(config)
+
+
+def test_every_limited_field_is_range_checked_with_its_requirement():
+    limited = {key: field for key, field in FIELDS.items() if field.limits}
+    assert len(limited) == 24
+    for key, field in limited.items():
+        config = vit_config("fp16")
+        assert not field.limits.test(-1), key  # every limit refuses -1
+        config[key] = -1
+        with pytest.raises(ConfigError, match="out of range") as e:
+            check_values(config)
+        assert f"--config.{key}=" in str(e.value) and field.limits.requirement in str(e.value)
+        if isinstance(field.default, type):  # a placeholder may stay None
+            config[key] = None
+            check_values(config)
+
+
+def test_one_validation_pass_checks_the_workdir_before_anything_is_built(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for workdir, needle in ((a_file, "it is a file"), (a_file / "run", "is a file")):
+        with pytest.raises(ConfigError, match=needle):
+            build_experiment(vit_config("fp16"), str(workdir))
+    config = vit_config("fp16")
+    config.batch_size = 0  # the fields are checked first, the workdir after
+    with pytest.raises(ConfigError, match="batch_size=0 is out of range"):
+        build_experiment(config, str(a_file))
+    assert build_experiment(vit_config("fp16"), str(tmp_path / "new" / "run")).total_steps
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
+
+
+def test_one_validation_pass_warns_for_float16_params_without_master_weights():
+    for mode in ("fp16_pure", "O3"):
+        with pytest.warns(UnsafeModeWarning, match="without fp32 master weights"):
+            build_experiment(vit_config(mode))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsafeModeWarning)
+        for mode in ("fp16", "bf16", "bf16_pure"):
+            build_experiment(vit_config(mode))
