@@ -1,11 +1,14 @@
 """``jamp.train``: train a Vision Transformer in any precision mode.
 
-  jamp.train --config configs/vit_fp16.py                  # embedded digits, offline
+  jamp.train --config vit_fp16                             # embedded digits, offline
+  jamp.train --config configs/vit_fp16.py                  # the same recipe, as a path
   jamp.train --config configs/vit_bf16.py:s16,cifar10 --config.data_dir=/data/tfds
   jamp.train --config configs/vit_fp16.py --config.batch_size=256 --workdir runs/big
 
-Also ``python -m jamp.train``. The config is an ``ml_collections`` file
-(``get_config(arg)``, see ``jamp/config.py``); ``--config.key=value`` overrides any
+Also ``python -m jamp.train``. The config is a recipe that ships with jamp, by name
+from any directory (``jamp/configs``: vit_fp16, vit_bf16, vit_fp8, vit_fp16_3d, ...),
+or an ``ml_collections`` file (``get_config(arg)``, see ``jamp/config.py``); a
+``configs/<name>.py`` path names the recipe too. ``--config.key=value`` overrides any
 field and unknown keys are rejected; ``jamp.train --help`` lists every key with its
 default and meaning. The run directory gets ``config.json`` (the resolved config),
 ``metrics.jsonl``, TensorBoard events, orbax checkpoints (resumed automatically),
@@ -45,7 +48,7 @@ from typing import Any, NoReturn
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from jamp import data, parallel
+from jamp import configs, data, parallel
 from jamp.checkpoint import CheckpointError
 from jamp.config import FIELD_HELP, vit_config
 from jamp.experiment import ConfigError, UnsafeModeWarning
@@ -60,15 +63,16 @@ HELP_ARGS = ("-h", "--help", "-help", "-?")
 
 _PARSE_ERRORS = (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError)
 _JAMP_FLAGS = ("config", "workdir", "coordinator", "num_processes", "process_id")
-_FLAGS_FIX = ("jamp.train's flags are --config FILE[:model,dataset], --config.KEY=VALUE, "
+_FLAGS_FIX = ("jamp.train's flags are --config RECIPE[:model,dataset], --config.KEY=VALUE, "
               "--workdir DIR and, for multi-process runs, --coordinator, --num_processes, "
               "--process_id; jamp.train --help lists them and every config key.")
-_CONFIG_FIX = ("Pass a config file such as --config configs/vit_fp16.py, optionally with "
-               ":model,dataset (e.g. configs/vit_fp16.py:s16,cifar10).")
+_CONFIG_FIX = ("Pass a recipe such as --config vit_fp16 (jamp ships "
+               f"{', '.join(configs.NAMES)}) or a config file, optionally with :model,dataset "
+               "(e.g. vit_fp16:s16,cifar10).")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: ``jamp.train --config configs/vit_fp16.py``.
+    """Console entry point: ``jamp.train --config vit_fp16``.
 
     ``--help``/``-h`` print :func:`help_text` and exit 0 (``--helpfull`` adds every
     absl flag of the libraries); see the module docstring for the exit statuses.
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
       ...     main(["jamp.train", "--help"])
       ... except SystemExit as e:
       ...     print("exit status", e.code)  # doctest: +ELLIPSIS
-      usage: jamp.train --config FILE[:model,dataset] [--config.KEY=VALUE ...] [--workdir DIR]
+      usage: jamp.train --config RECIPE[:model,dataset] [--config.KEY=VALUE ...] [--workdir DIR]
       ...
       exit status 0
     """
@@ -89,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(arg in ("--helpfull", "-helpfull") for arg in argv[1:]):
         _print_help(f"{help_text(*_help_config(argv[1:]))}\n\nEvery flag, absl's, grain's, "
                     f"orbax's and tfds's included:\n{flags.FLAGS.get_help()}")
+    argv = _resolve_config(argv)  # a recipe's name -> its file, which absl loads
     # ml_collections reads the config overrides from sys.argv; a fresh parse per call.
     saved, sys.argv = sys.argv, argv
     try:
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = saved
 
 
-def help_text(config: ConfigDict | None = None, source: str = "configs/vit_fp16.py") -> str:
+def help_text(config: ConfigDict | None = None, source: str = "vit_fp16") -> str:
     """``jamp.train --help``: usage, examples, jamp's flags and every config key.
 
     Args:
@@ -116,7 +121,8 @@ def help_text(config: ConfigDict | None = None, source: str = "configs/vit_fp16.
     doc = (__doc__ or "").split("\n\n")
     examples = "\n".join(line for line in doc[1].splitlines() if line.strip())
     lines = [
-        "usage: jamp.train --config FILE[:model,dataset] [--config.KEY=VALUE ...] [--workdir DIR]",
+        "usage: jamp.train --config RECIPE[:model,dataset] [--config.KEY=VALUE ...] "
+        "[--workdir DIR]",
         "",
         doc[0].strip("`").replace("``", ""),
         "",
@@ -166,7 +172,7 @@ def _help_config(args: list[str]) -> tuple[ConfigDict | None, str]:
         value = (arg.split("=", 1)[1] if re.match(r"^--?config=", arg) else
                  args[i + 1] if arg in ("--config", "-config") and i + 1 < len(args) else None)
         if value:
-            path, _, config_arg = value.partition(":")
+            path, _, config_arg = configs.resolve(value).partition(":")
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -174,14 +180,27 @@ def _help_config(args: list[str]) -> tuple[ConfigDict | None, str]:
                     return get_config(config_arg) if config_arg else get_config(), value
             except Exception:  # the help never fails; the run will report the problem
                 break
-    return None, "configs/vit_fp16.py"
+    return None, "vit_fp16"
+
+
+def _resolve_config(argv: list[str]) -> list[str]:
+    """``argv`` with ``--config``'s recipe name (or old ``configs/NAME.py`` path) made the
+    packaged recipe's file (:func:`jamp.configs.resolve`)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        given = re.match(r"^(--?config=)(.*)$", arg)
+        if given:
+            out[i] = given.group(1) + configs.resolve(given.group(2))
+        elif arg in ("--config", "-config") and i + 1 < len(out):
+            out[i + 1] = configs.resolve(out[i + 1])
+    return out
 
 
 def _define_flags() -> flags.FlagValues:
     if "config" not in flags.FLAGS:
         config_flags.DEFINE_config_file(
-            "config", None, "Config file, e.g. configs/vit_fp16.py or "
-            "configs/vit_fp16.py:b16,caltech101. Override fields with --config.KEY=VALUE.",
+            "config", None, "A recipe's name or a config file, e.g. vit_fp16, "
+            "vit_fp16:b16,caltech101 or my_config.py. Override fields with --config.KEY=VALUE.",
             lock_config=True)
         flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>). "
                             "An existing run there is resumed.")
@@ -212,7 +231,7 @@ def _run(argv: list[str]) -> None:
     except _PARSE_ERRORS as e:
         _fail(_usage_message(e), 2)
     if config is None:
-        _fail("--config is required, e.g. jamp.train --config configs/vit_fp16.py "
+        _fail("--config is required, e.g. jamp.train --config vit_fp16 "
               "(jamp.train --help lists the flags and every config key).", 2)
     workdir = flags.FLAGS.workdir or _default_workdir(flags.FLAGS["config"].config_filename)
     try:

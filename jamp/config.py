@@ -1,6 +1,6 @@
-"""The ViT recipe as an ``ml_collections`` config, shared by ``configs/vit_*.py``.
+"""The ViT recipe as an ``ml_collections`` config, shared by ``jamp/configs/vit_*.py``.
 
-Every ``configs/vit_<mode>.py`` is ``vit_config("<mode>", arg)``: the files differ
+Every recipe ``jamp/configs/vit_<mode>.py`` is ``vit_config("<mode>", arg)``: the files differ
 only in the precision mode, so runs compare cleanly. ``arg`` selects a model
 variant and a TFDS dataset (``"b16,caltech101"``, ``"s16,cifar10"``,
 ``"b16,imagenet2012"``); no arg trains the embedded offline digits dataset.

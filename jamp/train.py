@@ -183,7 +183,7 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
     """Trains and evaluates a ViT as ``config`` says; resumes from ``workdir`` if possible.
 
     Args:
-      config: a config from ``jamp.config.vit_config`` (or a ``configs/*.py`` file).
+      config: a config from ``jamp.config.vit_config`` (or a recipe of :mod:`jamp.configs`).
       workdir: run directory for metrics, checkpoints, summary and plot.
 
     Returns:

@@ -52,6 +52,34 @@ def test_helpfull_adds_the_libraries_flags_and_exits_0(capsys):
     assert status == 0 and "  --config.batch_size=64 " in out and "logtostderr" in out
 
 
+@pytest.mark.parametrize("value, mesh", [("vit_fp16_3d:b16,imagenet2012", (-1, 2, 2)),
+                                         ("configs/vit_fp16_pp.py", (-1, 1, 2)),
+                                         ("vit_fp16", (-1, 1, 1))])
+def test_a_recipe_by_name_from_any_directory(value, mesh, tmp_path, monkeypatch):
+    """The recipes ship in the package (jamp/configs): a bare name, or the checkout's old
+    ``configs/NAME.py`` path, works from a directory without them."""
+    runs = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "train_and_evaluate", lambda c, w: runs.append((c, w)))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["jamp.train", "--config", value, "--config.seed=3"])
+    (config, workdir), = runs
+    assert exit_.value.code in (0, None)
+    assert (config.mesh.data, config.mesh.model, config.mesh.pipe) == mesh
+    assert config.seed == 3 and workdir == os.path.join("runs", value.split("/")[-1].replace(
+        ".py", "").replace(":", "-").replace(",", "-"))
+    assert config.dataset == ("imagenet2012" if ":" in value else "digits")
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_unknown_recipe_lists_the_recipes(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status, _, err = _main(capsys, "--config=vit_fp17", f"--workdir={tmp_path / 'run'}")
+    assert status == 2 and err.count("\n") == 1 and "vit_fp16_3d" in err, err
+    status, out, _ = _main(capsys, "--config=vit_fp16:s16,cifar10", "--help")
+    assert status == 0 and "  --config.dataset='cifar10' " in out
+
+
 def test_the_trainer_does_not_import_the_cli():
     """jamp.cli is the one entry point; ``python -m jamp.train`` reaches it through a lazy
     import under ``__main__`` (the subprocess tests below run it), not an import circle."""

@@ -6,14 +6,12 @@ model and the optimizer.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import types
 
 import jax
 import pytest
 
-from jamp import experiment, parallel
+from jamp import configs, experiment, parallel
 from jamp.config import vit_config
 from jamp.experiment import ConfigError, build_experiment
 from jamp.parallel import pipeline
@@ -21,15 +19,9 @@ from jamp.parallel import pipeline
 if len(jax.devices()) < 8:  # conftest forces 8 CPU devices
     pytest.skip("needs 8 devices", allow_module_level=True)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _load(name: str, arg=None):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "configs",
-                                                                     name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return configs.get_config(name, arg)
 
 
 @pytest.mark.parametrize("name, shape", [("vit_fp16_tp", (4, 2, 1)), ("vit_fp16_pp", (4, 1, 2)),

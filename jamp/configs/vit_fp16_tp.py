@@ -4,8 +4,8 @@ The mesh is data x model = (devices / 2) x 2: attention heads and MLP hidden
 units are sharded over 'model' by the logical axis rules (jamp/parallel/mesh.py),
 the rest is data-parallel. Needs num_heads and mlp_dim divisible by 2.
 
-  jamp.train --config configs/vit_fp16_tp.py                 # 8 GPUs: 4 x 2
-  jamp.train --config configs/vit_fp16_tp.py:b16,imagenet2012 --config.data_dir=/data/tfds
+  jamp.train --config vit_fp16_tp                 # 8 GPUs: 4 x 2
+  jamp.train --config vit_fp16_tp:b16,imagenet2012 --config.data_dir=/data/tfds
 """
 
 from jamp.config import vit_config

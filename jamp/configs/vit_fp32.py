@@ -1,7 +1,7 @@
 """ViT training in the "fp32" precision mode (see jamp/config.py for every field).
 
-  jamp.train --config configs/vit_fp32.py               # embedded digits, CPU-friendly
-  jamp.train --config configs/vit_fp32.py:b16,caltech101 --config.data_dir=/data/tfds
+  jamp.train --config vit_fp32               # embedded digits, CPU-friendly
+  jamp.train --config vit_fp32:b16,caltech101 --config.data_dir=/data/tfds
 """
 
 from jamp.config import vit_config

@@ -3,8 +3,8 @@
 bf16 mixed precision with fp8 (E4M3 forward, E5M2 gradient) matmuls in the Dense layers,
 current scaling (no state; works with pipeline parallelism).
 
-  jamp.train --config configs/vit_fp8_current.py               # embedded digits, CPU-friendly
-  jamp.train --config configs/vit_fp8_current.py:b16,caltech101 --config.data_dir=/data/tfds
+  jamp.train --config vit_fp8_current               # embedded digits, CPU-friendly
+  jamp.train --config vit_fp8_current:b16,caltech101 --config.data_dir=/data/tfds
 """
 
 from jamp.config import vit_config

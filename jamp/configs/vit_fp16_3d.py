@@ -4,9 +4,9 @@ The mesh is data x model x pipe = (devices / 4) x 2 x 2: heads and MLP units
 split over 'model', the encoder into 2 pipeline stages of 4 microbatches, the
 batch over 'data'. On 8 devices: 2 x 2 x 2.
 
-  jamp.train --config configs/vit_fp16_3d.py                 # 8 GPUs (or 8 fake CPUs)
+  jamp.train --config vit_fp16_3d                 # 8 GPUs (or 8 fake CPUs)
   srun --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 \\
-    python -m jamp.train --config configs/vit_fp16_3d.py:b16,imagenet2012 \\
+    python -m jamp.train --config vit_fp16_3d:b16,imagenet2012 \\
     --config.mesh.model=4 --config.data_dir=/data/tfds
 """
 

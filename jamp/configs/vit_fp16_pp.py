@@ -5,8 +5,8 @@ encoder blocks; every data shard's batch runs through the stages as 4
 microbatches (bubble (2-1)/(4+2-1) = 20%, reported as summary "pipeline_bubble").
 Needs num_layers divisible by 2 and batch_size by data x 4.
 
-  jamp.train --config configs/vit_fp16_pp.py                 # 8 GPUs: 4 x 2
-  jamp.train --config configs/vit_fp16_pp.py --config.pipeline_microbatches=8
+  jamp.train --config vit_fp16_pp                 # 8 GPUs: 4 x 2
+  jamp.train --config vit_fp16_pp --config.pipeline_microbatches=8
 """
 
 from jamp.config import vit_config
