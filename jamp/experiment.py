@@ -299,6 +299,15 @@ def _check_batch(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None
                 f"{data_size} 'data' shards x {microbatches} pipeline microbatches = {split}")
         change = "--config.mesh.data" + (
             " or --config.pipeline_microbatches" if microbatches > 1 else "")
+        used, devices = mesh.devices.size, jax.device_count()
+        if used < devices:  # the mesh is the likelier mistake: it leaves devices idle
+            shape = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
+            raise ConfigError(
+                f"The mesh {shape} uses {used} of the {devices} devices, and "
+                f"--config.batch_size={config.batch_size} is not divisible by {what}. Use a "
+                f"mesh over all {devices} devices (e.g. --config.mesh.data=-1, the rest) or a "
+                f"batch that is a multiple of {split} "
+                f"(e.g. {max(split, config.batch_size // split * split)}).")
         raise ConfigError(
             f"--config.batch_size={config.batch_size} is not divisible by {what}. Use a "
             f"multiple of {split} (e.g. {max(split, config.batch_size // split * split)}) "

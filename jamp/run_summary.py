@@ -14,10 +14,13 @@ Example:
   >>> summary = {"outcome": "completed", "model": "ViT-ti/2", "dataset": "digits",
   ...            "framework": "linen", "mode": "bf16", "test_accuracy": 0.98,
   ...            "test_loss": 0.07, "steps": 1100, "steps_skipped": 0,
-  ...            "final_loss_scale": 1.0, "images_per_sec": None, "devices": 1,
-  ...            "mesh": {"data": 1, "model": 1, "pipe": 1}}
-  >>> print(format_summary(summary, MemoryReport(0, 0, 0, 0, 0)).splitlines()[0])
-  == jamp.train summary: ViT-ti/2 on digits, mode bf16 ==
+  ...            "final_loss_scale": 1.0, "loss_scale_kind": "none", "images_per_sec": None,
+  ...            "devices": 1, "mesh": {"data": 1, "model": 1, "pipe": 1}}
+  >>> for line in format_summary(summary, MemoryReport(0, 0, 0, 0, 0)).splitlines()[:3]:
+  ...     print(line)
+  == jamp.train summary: ViT-ti/2 (linen) on digits, mode bf16 ==
+  test accuracy   98.00%  (loss 0.0700)
+  steps           1100 (no loss scale: none skipped)
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ def summarize(exp: Experiment, state: train_state.TrainState, *, workdir: str, s
         "images_per_sec": float(np.median(rates)) if rates else None,
         "steps_skipped": int(stats.steps_skipped),
         "final_loss_scale": float(jax.device_get(loss_scale(state.opt_state))),
+        "loss_scale_kind": exp.precision.loss_scale.kind,
         "label_smoothing": float(c.label_smoothing),
         "train_loss_floor": label_smoothing_floor(c.label_smoothing, exp.info.num_classes),
         "devices": exp.mesh.devices.size,
@@ -231,24 +235,29 @@ def format_summary(summary: dict[str, Any], memory: MemoryReport) -> str:
 
     Example:
       >>> from jamp.memory import MemoryReport
-      >>> summary = {"outcome": "completed", "model": "ViT-ti/2", "dataset": "digits",
-      ...            "mode": "fp16", "test_accuracy": 0.98, "test_loss": 0.07, "steps": 1100,
-      ...            "steps_skipped": 1, "final_loss_scale": 32768.0, "images_per_sec": 900.0,
-      ...            "devices": 1, "mesh": {"data": 1, "model": 1, "pipe": 1},
+      >>> summary = {"outcome": "completed", "model": "ViT-ti/2", "framework": "linen",
+      ...            "dataset": "digits", "mode": "fp16", "test_accuracy": 0.98,
+      ...            "test_loss": 0.07, "steps": 1100, "steps_skipped": 1,
+      ...            "final_loss_scale": 32768.0, "loss_scale_kind": "dynamic",
+      ...            "images_per_sec": 900.0, "devices": 1,
+      ...            "mesh": {"data": 1, "model": 1, "pipe": 1},
       ...            "label_smoothing": 0.1, "train_loss_floor": 0.5}
       >>> print(format_summary(summary, MemoryReport(0, 0, 0, 0, 0)))  # doctest: +ELLIPSIS
-      == jamp.train summary: ViT-ti/2 on digits, mode fp16 ==
+      == jamp.train summary: ViT-ti/2 (linen) on digits, mode fp16 ==
       test accuracy   98.00%  (loss 0.0700)
       train loss      includes label smoothing 0.1 (floor 0.50); the test loss does not
       steps           1100 (skipped 1, final loss scale 32768)
       ...
     """
     ips, accuracy = summary["images_per_sec"], summary.get("test_accuracy")
-    lines = [f"== jamp.train summary: {summary['model']} on {summary['dataset']}, "
+    framework = f" ({summary['framework']})" if summary.get("framework") else ""
+    lines = [f"== jamp.train summary: {summary['model']}{framework} on {summary['dataset']}, "
              f"mode {summary['mode']} =="]
     if summary.get("outcome") == "diverged":
-        lines.append(f"outcome         DIVERGED at step {summary['steps']} (the loss scale sat "
-                     "at its minimum and every step overflowed)")
+        why = ("the loss scale sat at its minimum and every step overflowed"
+               if summary.get("non_finite_at_step") is None else
+               f"the train loss became NaN/inf at step {summary['non_finite_at_step']}")
+        lines.append(f"outcome         DIVERGED at step {summary['steps']} ({why})")
     lines.append("test accuracy   " + (
         f"{100 * accuracy:.2f}%  (loss {summary['test_loss']:.4f})" if accuracy is not None
         else "not evaluated") + (f", at step {summary['evaluated_at_step']}"
@@ -256,9 +265,11 @@ def format_summary(summary: dict[str, Any], memory: MemoryReport) -> str:
     if summary.get("label_smoothing"):
         lines.append(f"train loss      includes label smoothing {summary['label_smoothing']:g} "
                      f"(floor {summary['train_loss_floor']:.2f}); the test loss does not")
+    scaled = summary.get("loss_scale_kind") != "none"  # bf16, fp32, fp8 apply every step
     lines += [
-        f"steps           {summary['steps']} (skipped {summary['steps_skipped']}, "
-        f"final loss scale {summary['final_loss_scale']:g})",
+        f"steps           {summary['steps']} " + (
+            f"(skipped {summary['steps_skipped']}, final loss scale "
+            f"{summary['final_loss_scale']:g})" if scaled else "(no loss scale: none skipped)"),
         f"throughput      {'n/a' if ips is None else f'{ips:,.0f} images/s'} "
         f"on {summary['devices']} device(s)",
         "mesh            " + " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())

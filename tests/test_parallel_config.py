@@ -71,6 +71,15 @@ def test_pipeline_batch_must_split_into_data_times_microbatches():
     build_experiment(_config(batch_size=40, pipeline_microbatches=3, mesh=dict(data=4)))
 
 
+def test_a_mesh_that_leaves_devices_idle_is_named_in_the_batch_error():
+    message = _error(mesh=dict(data=3))  # 3 of the 8 devices; batch 64
+    assert message.startswith("The mesh data=3 x model=1 x pipe=1 uses 3 of the 8 devices")
+    assert "--config.mesh.data=-1" in message and "batch_size=64" in message
+    build_experiment(_config(batch_size=63, mesh=dict(data=3)))  # fits: it trains
+    message = _error(batch_size=60, mesh=dict(data=8))  # a full mesh: the batch is the issue
+    assert message.startswith("--config.batch_size=60 is not divisible by the 8 devices")
+
+
 def test_processes_must_split_the_data_axis(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 4)
     message = _error(mesh=dict(data=2, model=2, pipe=2))

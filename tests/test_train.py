@@ -105,6 +105,7 @@ def test_python_api_short_run_writes_metrics_checkpoint_summary_and_plot(finishe
     assert summary["outcome"] == "completed" and summary["seed"] == 0
     assert summary["commit"] is None or len(summary["commit"]) >= 40  # to reproduce the run
     assert summary["mode"] == "fp16" and summary["final_loss_scale"] > 0
+    assert summary["framework"] == "linen" and summary["loss_scale_kind"] == "dynamic"
     assert 0.0 <= summary["test_accuracy"] <= 1.0
     assert summary["memory"]["residual_bytes"] > 0
     assert summary["memory"]["activation_bytes"] > 0
@@ -305,6 +306,7 @@ def test_nan_loss_without_a_loss_scale_stops_before_saving_a_poisoned_checkpoint
     summary = _strict_json((tmp_path / "summary.json").read_text())
     assert summary["outcome"] == "diverged" and summary["non_finite_at_step"] == 8
     assert summary["steps"] == 8 and summary["checkpoint_step"] == 4
+    assert summary["loss_scale_kind"] == "none"
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]  # step 8's state not saved
     rows = [_strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [5]  # finite; 6-8 never logged
