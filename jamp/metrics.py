@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from typing import Any
 
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -97,6 +98,38 @@ class MetricsWriter:
         """Flushes and closes TensorBoard."""
         if self._tb is not None:
             self._tb.close()
+
+
+class Throughput:
+    """Images/s per logging window; the first step (it compiles) only starts the clock.
+
+    Example:
+      >>> t = Throughput()
+      >>> t.count(64)          # the first (compiling) step: not timed
+      >>> t.lap() is None      # nothing timed yet
+      True
+      >>> t.count(64); t.lap() > 0, len(t.rates)
+      (True, 1)
+    """
+
+    def __init__(self):
+        self.start: float | None = None
+        self.images, self.rates = 0, []
+
+    def count(self, images: int) -> None:
+        """Counts a finished step's images (call it after the step's results are ready)."""
+        if self.start is None:
+            self.start = time.perf_counter()
+        else:
+            self.images += images
+
+    def lap(self) -> float | None:
+        """The rate since the last lap (None for the compile-only first window)."""
+        rate = self.images / (time.perf_counter() - self.start) if self.images else None
+        if rate is not None:
+            self.rates.append(rate)
+        self.start, self.images = time.perf_counter(), 0
+        return rate
 
 
 def _py(value: Any) -> Any:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,7 +42,7 @@ from jamp import data, parallel, run_summary
 from jamp.checkpoint import Checkpointer
 from jamp.experiment import Config, Experiment, build_experiment, init_state, state_shardings
 from jamp.memory import MemoryReport, memory_report
-from jamp.metrics import MetricsWriter, read_metrics
+from jamp.metrics import MetricsWriter, Throughput, read_metrics
 from jamp.run_summary import NonFiniteLossError  # noqa: F401  (jamp.train.NonFiniteLossError)
 from jamp.step import (
     ValueAndGrad,
@@ -157,28 +156,6 @@ class _Run:
         self.writer.close()
 
 
-class _Throughput:
-    """Images/s per logging window; the first step (it compiles) starts the clock."""
-
-    def __init__(self):
-        self.start, self.images, self.rates = None, 0, []
-
-    def count(self, metrics: dict[str, jax.Array], images: int) -> None:
-        if self.start is None:
-            jax.block_until_ready(metrics)
-            self.start = time.perf_counter()
-        else:
-            self.images += images
-
-    def lap(self) -> float | None:
-        """The rate since the last lap (None for the compile-only first window)."""
-        rate = self.images / (time.perf_counter() - self.start) if self.images else None
-        if rate is not None:
-            self.rates.append(rate)
-        self.start, self.images = time.perf_counter(), 0
-        return rate
-
-
 def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
     """Trains and evaluates a ViT as ``config`` says; resumes from ``workdir`` if possible.
 
@@ -264,14 +241,15 @@ def _loop(run: _Run, state: train_state.TrainState
           ) -> tuple[train_state.TrainState, dict[str, float], list[float]]:
     """Steps to ``total_steps``; logs, evaluates and checkpoints on the config's schedule."""
     exp, config = run.exp, run.exp.config
-    pending, throughput, last_eval = [], _Throughput(), {}
+    pending, throughput, last_eval = [], Throughput(), {}
     for step in range(run.start, exp.total_steps):
         batch = _global_batch(exp, next(run.iterator))
         state, metrics = run.train_step(state, batch, jax.random.fold_in(run.rng, step))
         pending.append(metrics)
-        throughput.count(metrics, config.batch_size)
-        if step == run.start:  # compiled and ran: the ETA counts the steps from here
+        if step == run.start:  # compiled and ran: the clock and the ETA count from here
+            jax.block_until_ready(metrics)
             run.progress.unpause()
+        throughput.count(config.batch_size)
         done = step + 1
         if done % config.log_every_steps == 0 or done == exp.total_steps:
             _log(run, done, jax.device_get(pending), throughput.lap())
