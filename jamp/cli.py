@@ -19,7 +19,7 @@ The ``config.mesh`` axes (data, model, pipe) give data, tensor (Megatron) and
 GPipe pipeline parallelism (``jamp/parallel``). Multi-host runs start one
 process per host (or per GPU) under SLURM, Open MPI, torchrun-style variables
 or ``--coordinator host:port --num_processes N --process_id i``; only process
-0 writes metrics, plots and the summary. See the README, "Scaling out".
+0 writes metrics, plots and the summary. See docs/guides/parallel.md.
 
 Exit status: 0 when the run finished (or had finished before); 2 for a config or
 flag error, a missing dataset, an unusable workdir or checkpoint (one paragraph on

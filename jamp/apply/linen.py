@@ -28,7 +28,7 @@ drawn in float32, stored rounded to the param dtype and read in the compute
 dtype, so every mode starts from the same weights and a custom ``x @ w`` runs
 in the compute dtype; RNN carries keep their dtype; in modes with a float32
 softmax every softmax of half-precision logits is rewritten to
-:func:`jamp.attention.softmax_fp32` (see the README, "Which models").
+:func:`jamp.attention.softmax_fp32` (see docs/guides/any_model.md).
 
 Example:
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jamp

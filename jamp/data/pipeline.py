@@ -199,8 +199,8 @@ def eval_batches(
       process_count: number of processes (``jax.process_count()``).
 
     Returns:
-      An iterator of ``{"image": float32 [B, S, S, C], "label": int32 [B],
-      "mask": bool [B]}`` batches, B = global_batch_size // process_count.
+      An iterator of batches ``{"image": [B, S, S, C] float32, "label": [B] int32,``
+      ``"mask": [B] bool}``, B = global_batch_size // process_count.
 
     Raises:
       ValueError: `global_batch_size` is not a multiple of `process_count`.

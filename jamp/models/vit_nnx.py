@@ -277,10 +277,11 @@ class Encoder(nnx.Module):
 class ViT(nnx.Module):
     """Vision Transformer classifier with a class token and learned position embeddings.
 
+    ``num_classes``, ``patch_size``, ``hidden_size``, ``num_layers``, ``num_heads``,
+    ``mlp_dim``, ``dropout_rate``, ``attention_dropout_rate``, ``scan_layers``, ``remat``
+    and ``layer_runner`` are as the fields of the linen :class:`jamp.models.vit.ViT`.
+
     Args:
-      num_classes, patch_size, hidden_size, num_layers, num_heads, mlp_dim,
-        dropout_rate, attention_dropout_rate, scan_layers, remat, layer_runner:
-        as the fields of the linen :class:`jamp.models.vit.ViT`.
       image_size: side of the square input images, or ``(height, width)``.
       channels: channels of the input images.
       rngs: ``nnx.Rngs`` with a ``params`` stream for the initial weights. Dropout
