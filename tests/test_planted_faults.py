@@ -172,9 +172,8 @@ def test_fp16_naive_linen_params_equal_the_master_copy_after_every_step():
         state, metrics = step(state, batch, jax.random.key(i))
         assert bool(metrics["grad_finite"])
         master = jamp.master_params(state.opt_state)
-        for p, m, old in zip(jax.tree_util.tree_leaves(state.params),
-                             jax.tree_util.tree_leaves(master),
-                             jax.tree_util.tree_leaves(previous), strict=True):
+        for p, m in zip(jax.tree_util.tree_leaves(state.params),
+                        jax.tree_util.tree_leaves(master), strict=True):
             if p.dtype == jnp.float16:  # the norm's params stay float32 (its override)
                 np.testing.assert_array_equal(p, m.astype(jnp.float16))
             else:

@@ -12,9 +12,10 @@ varying over 'data' (``jax.lax.pcast(..., to='varying')``) *in their storage
 dtype*, so the transpose of that cast, a ``psum``, sums float32 gradients of
 float32 parameters (one fused all-reduce per step). Half-precision parameters
 (``fp16_naive``, ``fp16_pure``) are reduced in half precision, like their
-gradients; on XLA:CPU, bfloat16 ones (``bf16_pure``) in float32 (its
-AllReducePromotion pass aborts on a bfloat16 all-reduce inside a partly manual
-``shard_map``: "Invalid binary instruction opcode copy"). Each shard differentiates its *share* of the global mean loss (its
+gradients; on XLA:CPU, bfloat16 ones (``bf16_pure``) in float32, and so are
+bfloat16 losses and aux values (its AllReducePromotion pass aborts on a
+bfloat16 all-reduce inside a partly manual ``shard_map``: "Invalid binary
+instruction opcode copy"). Each shard differentiates its *share* of the global mean loss (its
 local mean divided by the number of shards), so every example's cotangent is
 the one a single device would compute and the half-precision weight-gradient
 sums cover only the shard's examples: a sum that overflows float16 on one
@@ -112,16 +113,31 @@ def _axis_size(axis_name: str) -> int:
     return 1 if mesh.empty else dict(mesh.shape).get(axis_name, 1)
 
 
+def _cpu_bfloat16(x: jax.Array) -> bool:
+    """XLA:CPU cannot all-reduce this in a partly manual ``shard_map`` (module docstring)."""
+    return x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+
+
 def _mark_varying(params: Any, axis_name: str) -> Any:
     """``params`` marked varying over ``axis_name``: the transpose is the gradient psum."""
 
     def one(p):
-        if p.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-            # XLA:CPU cannot compile this bfloat16 psum (module docstring): sum in float32.
+        if _cpu_bfloat16(p):  # the psum in float32, the gradient in bfloat16
             return jax.lax.pcast(p.astype(jnp.float32), axis_name, to="varying").astype(p.dtype)
         return jax.lax.pcast(p, axis_name, to="varying")
 
     return jax.tree_util.tree_map(one, params)
+
+
+def _reduce(reduce: Callable, tree: Any, axis_name: str) -> Any:
+    """``reduce(leaf, axis_name)`` per leaf; bfloat16 leaves in float32 on XLA:CPU."""
+
+    def one(x):
+        if _cpu_bfloat16(x):
+            return reduce(x.astype(jnp.float32), axis_name).astype(x.dtype)
+        return reduce(x, axis_name)
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 def _restrict(spec: P, axes: set[str], data_axis: str) -> P:
@@ -197,7 +213,8 @@ def value_and_grad(
             return value / shards, aux
 
         (share, aux), grads = jax.value_and_grad(shard_loss, has_aux=True)(params)
-        return (jax.lax.psum(share, axis_name), jax.lax.pmean(aux, axis_name)), grads
+        return ((_reduce(jax.lax.psum, share, axis_name),
+                 _reduce(jax.lax.pmean, aux, axis_name)), grads)
 
     def wrapped(params, batch, *args):
         if math.prod(_axis_size(a) for a in manual) == 1:
