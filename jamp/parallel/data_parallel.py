@@ -12,7 +12,10 @@ varying over 'data' (``jax.lax.pcast(..., to='varying')``) *in their storage
 dtype*, so the transpose of that cast, a ``psum``, sums float32 gradients of
 float32 parameters (one fused all-reduce per step). Half-precision parameters
 (``fp16_naive``, ``fp16_pure``) are reduced in half precision, like their
-gradients. Each shard differentiates its *share* of the global mean loss (its
+gradients; on XLA:CPU, bfloat16 ones (``bf16_pure``) in float32, and so are
+bfloat16 losses and aux values (its AllReducePromotion pass aborts on a
+bfloat16 all-reduce inside a partly manual ``shard_map``: "Invalid binary
+instruction opcode copy"). Each shard differentiates its *share* of the global mean loss (its
 local mean divided by the number of shards), so every example's cotangent is
 the one a single device would compute and the half-precision weight-gradient
 sums cover only the shard's examples: a sum that overflows float16 on one
@@ -22,6 +25,15 @@ partial sums cancel).
 
 Only 'data' is manual: the other mesh axes ('model', 'pipe') stay automatic,
 so tensor-parallel layers and the pipeline inside the model work unchanged.
+
+A 'data' axis of size 1 (a tensor-parallel-only mesh, say) has one shard and
+nothing to reduce: the loss is differentiated on the whole batch under plain
+automatic partitioning, with no ``shard_map``. (JAX lowers a ``shard_map``
+whose manual axes all have size 1 without its manual region, but keeps the
+collectives over them; with another mesh axis larger than 1, XLA's SPMD
+partitioner then refuses that all-reduce: "Cross-partition allreduce must be
+in (partial) manual partitioning mode".) :func:`shard_index` is the shard's
+index in both cases.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -38,11 +50,13 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 DATA = "data"
@@ -68,6 +82,62 @@ def manual_rules(rules: Any, manual_axes: set[str]) -> tuple[tuple[str, Any], ..
         return None if target in manual_axes else target
 
     return tuple((name, strip(target)) for name, target in rules)
+
+
+def shard_index(axis_name: str = DATA) -> jax.Array | int:
+    """This shard's index along ``axis_name`` inside :func:`value_and_grad`'s ``fun``.
+
+    ``jax.lax.axis_index`` where the axis is manual (a ``shard_map`` over it);
+    0 where it is not, i.e. the axis has one device and ``fun`` runs on the
+    whole batch (or no mesh is set).
+
+    Example:
+      >>> import jax
+      >>> from jamp.parallel import make_mesh
+      >>> from jamp.parallel.data_parallel import shard_index
+      >>> with jax.set_mesh(make_mesh({"data": 1, "model": 1, "pipe": 1})):
+      ...     shard_index()
+      0
+    """
+    if axis_name in jax.sharding.get_abstract_mesh().manual_axes:
+        return jax.lax.axis_index(axis_name)
+    if _axis_size(axis_name) != 1:
+        raise ValueError(f"shard_index({axis_name!r}) outside a shard_map manual over "
+                         f"{axis_name!r}, whose size is {_axis_size(axis_name)}.")
+    return 0
+
+
+def _axis_size(axis_name: str) -> int:
+    """The size of the current mesh's ``axis_name`` (1 without a mesh or that axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(axis_name, 1)
+
+
+def _cpu_bfloat16(x: jax.Array) -> bool:
+    """XLA:CPU cannot all-reduce this in a partly manual ``shard_map`` (module docstring)."""
+    return x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+
+
+def _mark_varying(params: Any, axis_name: str) -> Any:
+    """``params`` marked varying over ``axis_name``: the transpose is the gradient psum."""
+
+    def one(p):
+        if _cpu_bfloat16(p):  # the psum in float32, the gradient in bfloat16
+            return jax.lax.pcast(p.astype(jnp.float32), axis_name, to="varying").astype(p.dtype)
+        return jax.lax.pcast(p, axis_name, to="varying")
+
+    return jax.tree_util.tree_map(one, params)
+
+
+def _reduce(reduce: Callable, tree: Any, axis_name: str) -> Any:
+    """``reduce(leaf, axis_name)`` per leaf; bfloat16 leaves in float32 on XLA:CPU."""
+
+    def one(x):
+        if _cpu_bfloat16(x):
+            return reduce(x.astype(jnp.float32), axis_name).astype(x.dtype)
+        return reduce(x, axis_name)
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 def _restrict(spec: P, axes: set[str], data_axis: str) -> P:
@@ -101,6 +171,10 @@ def value_and_grad(
     ``args`` (e.g. a dropout key) are the same on every shard. Runs under a mesh
     (``jax.set_mesh``) that has ``axis_name``; Flax logical constraints inside
     ``fun`` keep working (manual axes are dropped from the rules in force).
+    When ``axis_name`` and ``manual_axes`` all have size 1 there is one shard:
+    ``fun`` is differentiated on the whole batch under automatic partitioning
+    and no axis is bound inside it (take the shard's index from
+    :func:`shard_index`, not ``jax.lax.axis_index``).
 
     Args:
       fun: the loss function, differentiated w.r.t. its first argument.
@@ -131,7 +205,7 @@ def value_and_grad(
 
         def shard_loss(p):
             # The psum that transposes this cast runs in each parameter's dtype.
-            p = jax.lax.pcast(p, axis_name, to="varying")
+            p = _mark_varying(p, axis_name)
             with nn.logical_axis_rules(rules):
                 value, aux = fun(p, batch, *args)
             # This shard's share of the global mean: every example's cotangent, and so
@@ -139,9 +213,14 @@ def value_and_grad(
             return value / shards, aux
 
         (share, aux), grads = jax.value_and_grad(shard_loss, has_aux=True)(params)
-        return (jax.lax.psum(share, axis_name), jax.lax.pmean(aux, axis_name)), grads
+        return ((_reduce(jax.lax.psum, share, axis_name),
+                 _reduce(jax.lax.pmean, aux, axis_name)), grads)
 
     def wrapped(params, batch, *args):
+        if math.prod(_axis_size(a) for a in manual) == 1:
+            # One shard: the reductions are the identity, and a shard_map would lower
+            # its collectives without a manual region (see the module docstring).
+            return jax.value_and_grad(fun, has_aux=True)(params, batch, *args)
         specs = P()
         if manual_axes:
             specs = jax.tree_util.tree_map(

@@ -80,7 +80,7 @@ def value_and_grad(param_specs: Any = None, *, pipelined: bool = False) -> Value
     def transform(loss_fn: LossFn):
         def shard_loss(params, batch, rng):
             # Runs once per 'data' shard: a different dropout mask on each.
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(data_parallel.DATA))
+            rng = jax.random.fold_in(rng, data_parallel.shard_index())
             return loss_fn(params, batch, rng)
 
         return data_parallel.value_and_grad(shard_loss, manual_axes=manual_axes,
