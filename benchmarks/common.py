@@ -75,12 +75,12 @@ def mfu(images_per_sec: float | None, flops_per_image: float, peak: float | None
 
 
 def time_steps(runs: dict[str, Callable[[], Any]], *, warmup: int, steps: int,
-               alternate: bool = False) -> dict[str, list[float]]:
+               rotate: bool = False) -> dict[str, list[float]]:
     """Calls each of ``runs`` in turn, ``warmup + steps`` rounds; the timed wall times (s).
 
     Each run must block until its work is done (``block_until_ready`` /
     ``torch.cuda.synchronize``) so each time is its own; taking them in turn lets drift
-    in the machine's load hit all alike. ``alternate`` reverses the order every other round.
+    in the machine's load hit all alike. ``rotate`` starts each round at the next run.
 
     Example:
       >>> {name: len(t) for name, t in time_steps({"a": lambda: None}, warmup=2,
@@ -89,7 +89,8 @@ def time_steps(runs: dict[str, Callable[[], Any]], *, warmup: int, steps: int,
     """
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(warmup + steps):
-        for name in list(runs)[::-1] if alternate and i % 2 else list(runs):
+        k = i % len(runs) if rotate else 0
+        for name in list(runs)[k:] + list(runs)[:k]:
             t0 = time.perf_counter()
             runs[name]()
             if i >= warmup:

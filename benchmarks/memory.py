@@ -29,10 +29,10 @@ def measure(variant: str, mode: str, args: argparse.Namespace, remat: bool) -> d
     targs = throughput.parse_args(["--variant", variant])
     shape = ("patch_size", "image_size", "batch", "num_classes", "num_layers")
     vars(targs).update(remat=remat, **{k: getattr(args, k) for k in shape})
-    model, state = throughput.init_state(mode, targs, abstract=True)
+    state = throughput.init_state(mode, targs, abstract=True)
     label = sizes.vit_label(variant, targs.patch_size) + (" + remat" if remat else "")
     return dict(model=label, variant=variant, remat=remat, mode=mode,
-                **throughput.jax_memory(model, state, targs).as_dict())
+                **throughput.jax_memory(state, targs).as_dict())
 
 
 def to_markdown(result: dict[str, Any]) -> str:
