@@ -59,7 +59,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _slug(text: str) -> str:
-    """A file-name-safe, lower-case form of a device name: "nvidia-h100-80gb-hbm3"."""
+    """A file-name-safe, lower-case form of a device name.
+
+    Example:
+      >>> _slug("NVIDIA H100 80GB HBM3")
+      'nvidia-h100-80gb-hbm3'
+    """
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
