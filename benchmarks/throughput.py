@@ -4,7 +4,7 @@ Per mode, times ``jamp.train_step`` (train state donated) of
 ``jamp.apply_policy(vit.create(...), mode)`` with AdamW wrapped by ``jamp.make_optimizer``
 on a synthetic device-resident batch, step by step after warm-up; ``--frameworks nnx``
 trains the same weights as the NNX ViT (``vit_nnx.from_linen``) through
-``vit_nnx.functional``'s ``apply_fn``. Reports images/s (median, p10/p90), peak device
+``jamp.nnx_functional.functional``'s ``apply_fn``. Reports images/s (median, p10/p90), peak device
 memory (whole process: ``run_all`` runs one mode per process; ``None`` on CPU), the compiled
 step's XLA memory, ``jamp.memory_report``, MFU (known GPUs) and, with ``--max-batch`` (GPU),
 the largest batch (multiple of 8) that fits by XLA's compile-time analysis, confirmed by
@@ -37,6 +37,7 @@ from flax.training import train_state
 
 import jamp
 from benchmarks import common
+from jamp import nnx_functional
 from jamp.models import sizes, vit, vit_nnx
 from jamp.step import cross_entropy
 
@@ -94,11 +95,11 @@ def init_state(mode: str, args: argparse.Namespace, abstract: bool = False) -> A
             return jamp.fp8.TrainState.create(apply_fn=apply_fn, params=params, tx=tx, fp8=fp8)
         return train_state.TrainState.create(apply_fn=apply_fn, params=params, tx=tx)
 
-    if args.framework == "nnx":  # the same weights, stepped through vit_nnx.functional
+    if args.framework == "nnx":  # the same weights, stepped through nnx_functional
         params = nn.unbox(jax.jit(build_model("fp32", args).init)(rng, x))["params"]
         model = jamp.apply_policy(vit_nnx.from_linen(build_model("fp32", args), params), mp)
-        state = jax.tree.map(jnp.asarray, create(*vit_nnx.functional(model),
-                                                 vit_nnx.fp8_state(model)))
+        state = jax.tree.map(jnp.asarray, create(*nnx_functional.functional(model),
+                                                 nnx_functional.fp8_state(model)))
         return jax.eval_shape(lambda: state) if abstract else state
     model = build_model(mp, args)
 
