@@ -1,11 +1,9 @@
 """Accuracy parity: the trainer's embedded-digits run in each precision mode.
 
-Runs ``jamp.train.train_and_evaluate(vit_config(mode), workdir)`` once per mode,
-one after the other (progress bar off, a fresh run directory each), and writes
-one table of final test accuracy, images/s, steps and skipped steps to
-``benchmarks/results/accuracy-<platform>-<date>.md`` and ``.json``. The
-``training.png`` of one run (``--plot-mode``, fp16 by default) is copied next to
-them for the README.
+Runs ``jamp.train.train_and_evaluate(vit_config(mode), workdir)`` once per mode and Flax
+API, one after the other in fresh run directories, and writes one table of test accuracy,
+images/s, steps and skipped steps to ``results/accuracy-<platform>-<date>.md`` and ``.json``,
+with the ``training.png`` of one run (``--plot-mode``, fp16 by default) beside them.
 
 Usage::
 
@@ -50,7 +48,7 @@ def override(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def run_mode(mode: str, overrides: dict[str, Any], workdir: Path,
+def _run_mode(mode: str, overrides: dict[str, Any], workdir: Path,
              framework: str = "linen") -> dict[str, Any] | None:
     """Trains one mode in ``workdir``; its row, or None if the trainer refuses the config."""
     config = vit_config(mode)
@@ -90,7 +88,7 @@ def diverged_row(mode: str, workdir: Path, message: str, wall_s: float) -> dict[
                 wall_s=wall_s, plot=None, seed=summary.get("seed"), commit=summary.get("commit"))
 
 
-def to_markdown(result: dict[str, Any]) -> str:
+def _to_markdown(result: dict[str, Any]) -> str:
     """The results file: how it was run, then one row per mode."""
     c, rows = result["config"], result["results"]
     joined = lambda key: ", ".join(sorted({str(r.get(key)) for r in rows})) or "unknown"
@@ -128,7 +126,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--set", type=override, action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. max_steps=2 or mesh.data=1 (repeatable)")
     ap.add_argument("--plot-mode", default="fp16", help="whose training.png to keep")
-    ap.add_argument("--workdir", default=None, help="run directories (default: a temp dir)")
     args = ap.parse_args(argv)
     overrides = dict(args.set)
     head = common.header("accuracy", argv)
@@ -136,9 +133,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows, plot = [], None
     with tempfile.TemporaryDirectory(prefix="jamp-accuracy-") as tmp:
         for framework, mode in ((f, m) for f in args.frameworks for m in args.modes):
-            workdir = Path(args.workdir or tmp) / framework / mode
-            shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, never a resumed one
-            if (row := run_mode(mode, overrides, workdir, framework)) is None:
+            workdir = Path(tmp) / framework / mode
+            if (row := _run_mode(mode, overrides, workdir, framework)) is None:
                 continue
             rows.append(row)
             print(f"accuracy: {mode:<11} {framework:<5} {common.accuracy_cells(row, rows)[0]}  "
@@ -163,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     learning_rate=config.learning_rate, dataset=config.dataset),
         results=rows)
     if not args.no_write:
-        common.write_results(stem, result, to_markdown(result))
+        common.write_results(stem, result, _to_markdown(result))
     return result
 
 

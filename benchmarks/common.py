@@ -20,7 +20,6 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -75,12 +74,12 @@ def mfu(images_per_sec: float | None, flops_per_image: float, peak: float | None
 
 
 def time_steps(runs: dict[str, Callable[[], Any]], *, warmup: int, steps: int,
-               alternate: bool = False) -> dict[str, list[float]]:
+               rotate: bool = False) -> dict[str, list[float]]:
     """Calls each of ``runs`` in turn, ``warmup + steps`` rounds; the timed wall times (s).
 
     Each run must block until its work is done (``block_until_ready`` /
     ``torch.cuda.synchronize``) so each time is its own; taking them in turn lets drift
-    in the machine's load hit all alike. ``alternate`` reverses the order every other round.
+    in the machine's load hit all alike. ``rotate`` starts each round at the next run.
 
     Example:
       >>> {name: len(t) for name, t in time_steps({"a": lambda: None}, warmup=2,
@@ -89,7 +88,8 @@ def time_steps(runs: dict[str, Callable[[], Any]], *, warmup: int, steps: int,
     """
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(warmup + steps):
-        for name in list(runs)[::-1] if alternate and i % 2 else list(runs):
+        k = i % len(runs) if rotate else 0
+        for name in list(runs)[k:] + list(runs)[:k]:
             t0 = time.perf_counter()
             runs[name]()
             if i >= warmup:
@@ -157,16 +157,6 @@ def largest_batch(fits: Callable[[int], bool], start: int, *, granularity: int =
     return min(lo, cap)
 
 
-def slug(text: str) -> str:
-    """A file-name-safe, lower-case form of a device name.
-
-    Example:
-      >>> slug("NVIDIA H100 80GB HBM3")
-      'nvidia-h100-80gb-hbm3'
-    """
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
-
-
 def today() -> str:
     """Today's date as ``YYYY-MM-DD`` (UTC), for result file names: ``today()``."""
     return datetime.datetime.now(datetime.UTC).date().isoformat()
@@ -214,15 +204,15 @@ def results_stem(out_dir: str | Path, benchmark: str, device: str) -> Path:
     return Path(out_dir) / f"{benchmark}-{device}-{today()}"
 
 
-def write_json(path: str | Path, obj: Any) -> None:
-    """Writes ``obj`` as indented JSON, creating folders: ``write_json("r.json", result)``."""
+def _write_json(path: str | Path, obj: Any) -> None:
+    """Writes ``obj`` as indented JSON, creating folders."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def write_results(stem: Path, result: dict[str, Any], markdown: str) -> None:
     """Writes ``<stem>.json`` and ``<stem>.md``: ``write_results(stem, result, markdown)``."""
-    write_json(f"{stem}.json", result)
+    _write_json(f"{stem}.json", result)
     Path(f"{stem}.md").write_text(markdown)
     print(f"wrote {stem}.md/.json", flush=True)
 
@@ -240,7 +230,7 @@ def process_result(args: argparse.Namespace, framework: str, device: dict[str, A
     result = dict(benchmark="throughput", framework=framework, device=device, config=config,
                   results=rows)
     if args.json:
-        write_json(args.json, result)
+        _write_json(args.json, result)
     return result
 
 

@@ -1,12 +1,9 @@
 """JAX-level memory of a ViT training step per precision mode (no device memory used).
 
-For each model and mode, ``jamp.memory_report`` counts the bytes of parameters,
-gradients, optimizer state (AdamW as wrapped by ``jamp.make_optimizer``: loss
-scale, fp32 master weights) and the residuals the forward pass saves for the
-backward pass, from shapes and dtypes only (``jax.eval_shape``): the figures are
-the same on CPU, GPU and TPU, and ViT-B at batch 128 needs no memory to count.
-Writes ``benchmarks/results/memory-<platform>-<date>.md`` and ``.json`` with
-ratios against fp32.
+For each model and mode, ``jamp.memory_report`` counts the bytes of parameters, gradients,
+optimizer state (AdamW wrapped by ``jamp.make_optimizer``) and the residuals the forward pass
+saves for the backward pass, from shapes and dtypes only: the same on any device. Writes
+``results/memory-<platform>-<date>.md`` and ``.json`` with ratios against fp32.
 
 Usage::
 
@@ -24,18 +21,18 @@ from benchmarks import common, throughput
 from jamp.models import sizes
 
 
-def measure(variant: str, mode: str, args: argparse.Namespace, remat: bool) -> dict[str, Any]:
+def _measure(variant: str, mode: str, args: argparse.Namespace, remat: bool) -> dict[str, Any]:
     """The memory report of one model/mode as a row (bytes)."""
     targs = throughput.parse_args(["--variant", variant])
     shape = ("patch_size", "image_size", "batch", "num_classes", "num_layers")
     vars(targs).update(remat=remat, **{k: getattr(args, k) for k in shape})
-    model, state = throughput.init_state(mode, targs, abstract=True)
+    state = throughput.init_state(mode, targs, abstract=True)
     label = sizes.vit_label(variant, targs.patch_size) + (" + remat" if remat else "")
     return dict(model=label, variant=variant, remat=remat, mode=mode,
-                **throughput.jax_memory(model, state, targs).as_dict())
+                **throughput.jax_memory(state, targs).as_dict())
 
 
-def to_markdown(result: dict[str, Any]) -> str:
+def _to_markdown(result: dict[str, Any]) -> str:
     """The results file: how it was counted, then one row per model and mode."""
     mib = lambda b: common.fmt(None if b is None else b / 2**20, ",.1f")
     keys = ("params", "grads", "opt_state", "residual", "activation", "total")
@@ -71,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for variant, remat in [(m, False) for m in args.models] + [(m, True) for m in args.remat]:
         for mode in args.modes:
-            rows.append(r := measure(variant, mode, args, remat))
+            rows.append(r := _measure(variant, mode, args, remat))
             print(f"{r['model']:<18} {mode:<11} total {common.gib(r['total_bytes'])}  "
                   f"residuals {common.gib(r['residual_bytes'])}", flush=True)
     base = {r["model"]: r for r in rows if r["mode"] == "fp32"}  # ratios against fp32
@@ -83,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   batch=args.batch, num_classes=args.num_classes, results=rows)
     if not args.no_write:
         common.write_results(common.results_stem(args.out_dir, "memory", result["platform"]),
-                             result, to_markdown(result))
+                             result, _to_markdown(result))
     return result
 
 

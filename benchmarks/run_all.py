@@ -1,12 +1,9 @@
 """jamp vs PyTorch AMP on one device: throughput, memory, max batch and MFU per mode.
 
-Runs ``benchmarks.throughput`` (jamp) and ``benchmarks.torch_amp`` (PyTorch) as processes on
-the same device, one process per mode so every peak-memory figure is that
-mode's own, then writes ``benchmarks/results/throughput-<device>-<date>.md``,
-``.json`` and ``.png`` (bar charts): per mode, jamp vs PyTorch images/s and
-their ratio, peak memory, largest batch and MFU, and the targets of the
-comparison (met / not met; not applicable on CPU, where XLA upcasts float16 and
-bfloat16 to float32 and the figures only show that the pipeline works).
+Runs ``benchmarks.throughput`` (jamp) and ``benchmarks.torch_amp`` (PyTorch) on the same
+device, one process per mode so that each peak memory is that mode's own, and writes
+``results/throughput-<device>-<date>.md``, ``.json`` and ``.png``: per mode, images/s and
+their ratio, peak memory, largest batch, MFU, and the comparison's targets (met / not met).
 
 Usage::
 
@@ -22,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,8 @@ from benchmarks import common
 from jamp.models import sizes
 
 REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 3600
+"""Seconds each process may take."""
 TORCH_FOR = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 """The PyTorch run each jamp mode is compared with (same precision recipe)."""
 
@@ -44,6 +44,7 @@ REFERENCE = (
 
 
 def _run(script: str, flags: list[str], json_path: Path, timeout: float) -> dict[str, Any]:
+    """Runs one benchmark process; the results it wrote to ``json_path``."""
     cmd = [sys.executable, "-m", f"benchmarks.{script}", *flags, "--json", str(json_path)]
     print("$ python", " ".join(cmd[1:]), flush=True)
     # Let XLA's allocator use as much of the GPU as PyTorch may (--memory-fraction 0.95).
@@ -53,10 +54,21 @@ def _run(script: str, flags: list[str], json_path: Path, timeout: float) -> dict
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or ``None`` when either is missing."""
     return a / b if a is not None and b else None
 
 
-def merge(jamp_runs: list[dict[str, Any]], torch_runs: list[dict[str, Any]]) -> list[dict]:
+def _slug(text: str) -> str:
+    """A file-name-safe, lower-case form of a device name.
+
+    Example:
+      >>> _slug("NVIDIA H100 80GB HBM3")
+      'nvidia-h100-80gb-hbm3'
+    """
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def _merge(jamp_runs: list[dict[str, Any]], torch_runs: list[dict[str, Any]]) -> list[dict]:
     """One row per jamp mode with its PyTorch counterpart (eager and compiled) beside it."""
     torch_rows = {(r["mode"], r["compiled"]): r for run in torch_runs for r in run["results"]}
     jamp_rows = [r for run in jamp_runs for r in run["results"]]
@@ -84,7 +96,7 @@ def merge(jamp_runs: list[dict[str, Any]], torch_runs: list[dict[str, Any]]) -> 
     return rows
 
 
-def targets(rows: list[dict[str, Any]], on_cpu: bool) -> list[dict[str, Any]]:
+def _targets(rows: list[dict[str, Any]], on_cpu: bool) -> list[dict[str, Any]]:
     """The comparison's targets, each with its measured value and verdict."""
     by = {r["mode"]: r for r in rows}
     get = lambda mode, key: by.get(mode, {}).get(key)
@@ -104,7 +116,7 @@ def targets(rows: list[dict[str, Any]], on_cpu: bool) -> list[dict[str, Any]]:
             for name, value, op, bound, unit in checks]
 
 
-def to_markdown(result: dict[str, Any]) -> str:
+def _to_markdown(result: dict[str, Any]) -> str:
     """The results file: what ran where, the two tables, the targets, the reference."""
     d, c, rows, fmt, gib = (result["device"], result["config"], result["rows"], common.fmt,
                             common.gib)
@@ -165,7 +177,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def _plot(result: dict[str, Any], path: Path) -> None:
     """Grouped bars: images/s (jamp, PyTorch eager, PyTorch compile) and memory per mode."""
     import matplotlib
 
@@ -213,7 +225,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--remat", action="store_true")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch CPU threads (1 on a busy shared CPU host)")
-    ap.add_argument("--timeout", type=float, default=3600, help="per subprocess, seconds")
     ap.add_argument("--keep-dir", default=None,
                     help="keep each subprocess's JSON here and reuse it when the same command "
                          "is run again (to finish a long run in several shorter calls)")
@@ -235,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if keep and path.exists():  # measured by an earlier, interrupted invocation
                 print(f"reusing {path}", flush=True)
                 return json.loads(path.read_text())
-            return _run(script, flags, path, args.timeout)
+            return _run(script, flags, path, TIMEOUT)
 
         jamp_runs = [child("throughput", f"jamp-{mode}", shared + ["--modes", mode] + extra
                            + (["--remat"] if args.remat else [])) for mode in args.modes]
@@ -245,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for mode in args.torch_modes]
     device = jamp_runs[0]["device"]
     on_cpu = device["platform"] == "cpu"
-    rows = merge(jamp_runs, torch_runs)
+    rows = _merge(jamp_runs, torch_runs)
     first = lambda runs, key, eager=False: next((r[key] for run in runs for r in run["results"]
                                                  if not (eager and r["compiled"])), None)
     result = dict(
@@ -255,13 +266,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch_impl=first(torch_runs, "impl") or "not run",
         jamp_max_batch_method=first(jamp_runs, "max_batch_method"),
         torch_max_batch_method=first(torch_runs, "max_batch_method", eager=True) or "not run",
-        rows=rows, targets=targets(rows, on_cpu), jamp=jamp_runs, torch=torch_runs)
+        rows=rows, targets=_targets(rows, on_cpu), jamp=jamp_runs, torch=torch_runs)
     stem = common.results_stem(args.out_dir, "throughput",
-                               "cpu" if on_cpu else common.slug(device["device_kind"]))
+                               "cpu" if on_cpu else _slug(device["device_kind"]))
     result["plot"] = f"{stem.name}.png"
     if not args.no_write:
-        common.write_results(stem, result, to_markdown(result))
-        plot(result, Path(f"{stem}.png"))
+        common.write_results(stem, result, _to_markdown(result))
+        _plot(result, Path(f"{stem}.png"))
     return result
 
 

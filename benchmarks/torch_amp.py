@@ -1,16 +1,12 @@
 """The PyTorch baseline: the same ViT trained with AdamW in fp32, autocast fp16 and bf16.
 
 Runs timm's ``vit_<size>_patch<p>_<image>`` when timm is installed and names the shape
-(``--impl auto``), else :class:`ViT` below, the same architecture in ``torch.nn``
-(pre-LN blocks, fused QKV, ``scaled_dot_product_attention``, class token, learned
-position embeddings, LayerNorm eps 1e-6). Modes: ``fp32`` (no autocast; TF32 matmuls on
-Ampere+ unless ``--no-tf32``, as XLA's default on GPU), ``fp16`` (``torch.autocast`` +
-``torch.amp.GradScaler``: torch AMP), ``bf16`` (autocast, no scaler); each eager and/or
-under ``torch.compile`` (``--compile eager,compile``), on a synthetic device-resident batch.
-Reported per run, like ``benchmarks.throughput``: images/s from the median step time
-(``torch.cuda.synchronize`` after each step), peak memory (``torch.cuda.max_memory_allocated``;
-``None`` on CPU), MFU, and with ``--max-batch`` the largest batch (multiple of 8) that
-trains without running out of memory, found by trying steps (CUDA eager only).
+(``--impl auto``), else :class:`ViT` below, the same architecture in ``torch.nn``. Modes:
+``fp32`` (TF32 matmuls on GPU unless ``--no-tf32``, as XLA's default), ``fp16`` (autocast +
+``GradScaler``: torch AMP), ``bf16`` (autocast); each eager and/or under ``torch.compile``.
+Reports per run what ``benchmarks.throughput`` does: images/s, peak memory
+(``torch.cuda.max_memory_allocated``), MFU, and with ``--max-batch`` the largest batch
+(multiple of 8) that trains without CUDA OOM, found by trying eager steps.
 
 Usage::
 
@@ -35,6 +31,8 @@ from jamp.models import sizes
 
 TORCH_MODES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 """The PyTorch modes and their autocast dtypes."""
+MEMORY_FRACTION = 0.95
+"""The CUDA memory fraction the process may use (``run_all`` gives XLA as much)."""
 
 
 class Block(nn.Module):
@@ -110,14 +108,15 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
 
 
 def _sync(device: torch.device) -> None:
+    """Waits for the device's work (CUDA)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def make_step(model: nn.Module, mode: str, device: torch.device, compiled: bool,
-              args: argparse.Namespace):
+def _make_step(model: nn.Module, mode: str, device: torch.device, compiled: bool,
+               args: argparse.Namespace):
     """Returns ``step(images, labels) -> loss`` (one AdamW update) for a mode."""
-    opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.05,
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05,
                             fused=device.type == "cuda")
     forward = torch.compile(model, mode=args.compile_mode) if compiled else model
     dtype = TORCH_MODES[mode]
@@ -140,7 +139,7 @@ def make_step(model: nn.Module, mode: str, device: torch.device, compiled: bool,
     return step
 
 
-def synthetic_batch(args: argparse.Namespace, batch: int,
+def _synthetic_batch(args: argparse.Namespace, batch: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Random NCHW images and labels on the device."""
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -149,13 +148,13 @@ def synthetic_batch(args: argparse.Namespace, batch: int,
     return images.to(device), labels.to(device)
 
 
-def max_batch(mode: str, device: torch.device, args: argparse.Namespace) -> int | None:
+def _max_batch(mode: str, device: torch.device, args: argparse.Namespace) -> int | None:
     """Largest batch (multiple of 8) for which two eager steps run without CUDA OOM."""
-    step = make_step(build_model(args)[0].to(device), mode, device, False, args)
+    step = _make_step(build_model(args)[0].to(device), mode, device, False, args)
 
     def fits(batch: int) -> bool:
         try:
-            images, labels = synthetic_batch(args, batch, device)
+            images, labels = _synthetic_batch(args, batch, device)
             for _ in range(2):
                 step(images, labels)
             _sync(device)
@@ -170,18 +169,18 @@ def max_batch(mode: str, device: torch.device, args: argparse.Namespace) -> int 
     return common.largest_batch(fits, args.batch, granularity=8)
 
 
-def run(mode: str, compiled: bool, args: argparse.Namespace,
-        device: torch.device) -> dict[str, Any]:
+def _run(mode: str, compiled: bool, args: argparse.Namespace,
+         device: torch.device) -> dict[str, Any]:
     """Measures one (mode, eager/compile) pair; returns its row of figures."""
     torch.manual_seed(0)
     model, impl = build_model(args)
     model = model.to(device)
-    images, labels = synthetic_batch(args, args.batch, device)
+    images, labels = _synthetic_batch(args, args.batch, device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    step = make_step(model, mode, device, compiled, args)
+    step = _make_step(model, mode, device, compiled, args)
     t0 = time.perf_counter()
     step(images, labels)  # the first step compiles (torch.compile) / warms up
     _sync(device)
@@ -208,9 +207,9 @@ def run(mode: str, compiled: bool, args: argparse.Namespace,
         if cuda:
             del step, model, images, labels
             gc.collect()
-            row["max_batch"] = max_batch(mode, device, args)
-            row["max_batch_method"] = (f"eager steps until CUDA OOM, memory fraction "
-                                       f"{args.memory_fraction}")
+            row["max_batch"] = _max_batch(mode, device, args)
+            row["max_batch_method"] = ("eager steps until CUDA OOM, memory fraction "
+                                       f"{MEMORY_FRACTION}")
     return row
 
 
@@ -229,12 +228,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated: eager and/or compile (torch.compile)")
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode")
     ap.add_argument("--impl", choices=("auto", "timm", "local"), default="auto")
-    ap.add_argument("--learning-rate", type=float, default=1e-4)
     ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                     help="TF32 float32 matmuls on GPU (XLA's default on GPU)")
     ap.add_argument("--max-batch", action="store_true", help="search the largest batch (CUDA)")
-    ap.add_argument("--memory-fraction", type=float, default=0.95,
-                    help="CUDA memory fraction the process may use")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (CPU; 1 avoids stalls on a busy shared host)")
@@ -256,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
-        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
+        torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION, device)
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     info = dict(platform=device.type, device_kind=kind, peak_tflops=common.peak_tflops(kind),
                 torch=torch.__version__, cuda=torch.version.cuda,
@@ -266,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for mode in args.modes:
         for how in args.compile:
-            rows.append(row := run(mode, how == "compile", args, device))
+            rows.append(row := _run(mode, how == "compile", args, device))
             print(f"  {mode:<5} {how:<8} {row['images_per_sec']:9.1f} img/s  "
                   f"step {row['step_ms']:8.1f} ms  first step {row['first_step_s']:5.1f} s  "
                   f"peak {common.gib(row['peak_bytes'])}  MFU {common.fmt(row['mfu'], '.1%')}  "

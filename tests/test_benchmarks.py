@@ -8,8 +8,6 @@ same model as jamp's ViT, and that the README's generated tables are what
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -122,26 +120,16 @@ def test_memory_every_mode(tmp_path):
     assert (tmp_path / f"memory-cpu-{common.today()}.md").exists()
 
 
-def test_loss_scale_vit_one_step(tmp_path):
-    from benchmarks import loss_scale_overhead
+def test_throughput_nnx_trains_like_linen():
+    from benchmarks import throughput
 
-    result = loss_scale_overhead.main(["--model", "vit", *TINY, "--warmup", "0",
-                                       "--out-dir", str(tmp_path)])
-    (row,) = result["rows"]
-    assert row["steps_skipped"] == 0 and row["ratio"] > 0
-    assert (tmp_path / f"loss_scale_vit-cpu-{common.today()}.md").exists()
-
-
-def test_loss_scale_mlp_quick_as_a_module(tmp_path):
-    out = tmp_path / "bench.md"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.loss_scale_overhead", "--quick", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "ratio" in proc.stdout
-    text = out.read_text()
-    assert "python -m benchmarks.loss_scale_overhead --quick" in text and "\n| 8 | " in text
-    assert json.loads(out.with_suffix(".json").read_text())["rows"][0]["steps_skipped"] == 0
+    result = throughput.main([*TINY, "--steps", "2", "--modes", "fp16",
+                              "--frameworks", "linen,nnx"])
+    linen, nnx = result["results"]
+    assert (linen["flax"], nnx["flax"]) == ("linen", "nnx")  # the same weights and batch
+    assert nnx["final_loss"] == pytest.approx(linen["final_loss"], rel=1e-6)
+    assert nnx["jax_memory"]["params_bytes"] == linen["jax_memory"]["params_bytes"]
+    assert nnx["steps_skipped"] == linen["steps_skipped"] and nnx["images_per_sec"] > 0
 
 
 def test_accuracy_one_step(tmp_path):

@@ -7,9 +7,16 @@ on a growth step is the true one, and the scale lives in the optimizer state.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from benchmarks import scaler_comparison
+from benchmarks import common, scaler_comparison
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +59,25 @@ def test_mpx_halves_the_growth_step_gradient():
     pytest.importorskip("mpx")  # mixed-precision-for-jax: not a test dependency
     facts = scaler_comparison.facts("mpx")
     assert facts["growth_grad_ratio"] == 0.5 and facts["max_scale"] == 65504.0
+
+
+def test_vit_one_step(tmp_path):
+    result = scaler_comparison.main(["--model", "vit", "--quick", "--libs", "jamp",
+                                     "--out-dir", str(tmp_path)])
+    jamp_row, f16_row = result["rows"]["jamp"], result["rows"]["f16"]
+    assert jamp_row["steps_skipped"] == {"2": 0} and jamp_row["ms"]["2"] / f16_row["ms"]["2"] > 0
+    assert (tmp_path / f"scaler_comparison_vit-cpu-{common.today()}.md").exists()
+
+
+def test_mlp_quick_as_a_module(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scaler_comparison", "--quick", "--libs", "jamp",
+         "--out-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ratio b8" in proc.stdout
+    out = tmp_path / f"scaler_comparison-cpu-{common.today()}.md"
+    text = out.read_text()
+    assert "python -m benchmarks.scaler_comparison --quick" in text
+    assert "\n| jamp.DynamicLossScale | " in text
+    assert json.loads(out.with_suffix(".json").read_text())["rows"]["jamp"]["steps_skipped"] == {
+        "8": 0}
