@@ -27,7 +27,7 @@ The overflow check is exact on any mesh: under ``jax.jit`` over global arrays
 it is one global reduction; inside ``jax.shard_map`` pass the mesh axes as
 ``axis_names`` and the per-shard flag is ``psum``-med. Everything that changes
 lives in :class:`LossScaleState`, so it jits, checkpoints and resumes exactly.
-Its cost is measured by ``python -m benchmarks.loss_scale_overhead``
+Its cost is measured by ``python -m benchmarks.scaler_comparison``
 (``benchmarks/results/loss_scale_*``).
 """
 
