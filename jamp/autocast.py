@@ -79,6 +79,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from jamp import attention
+from jamp import autocast_regions as regions
 from jamp.policy import MixedPrecision, PolicyLike, to_mixed_precision
 
 if TYPE_CHECKING:
@@ -87,12 +88,13 @@ if TYPE_CHECKING:
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _DOTS = frozenset({"dot_general", "conv_general_dilated"})
 _LINEAR_FLOAT32 = frozenset({"reduce_sum", "cumsum"})
-_FLOAT32 = frozenset({"exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "sqrt",
+_FLOAT32 = frozenset({"exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "square",
+                      "sqrt",
                       "rsqrt", "reduce_prod", "cumprod", "cumlogsumexp", "erf_inv", "lgamma",
                       "digamma"}) | _LINEAR_FLOAT32
 _POLYMORPHIC = frozenset({
     # elementwise
-    "add", "add_any", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min", "square",
+    "add", "add_any", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min",
     "floor", "ceil", "round", "nextafter", "atan2", "tanh", "logistic", "sin", "cos", "tan",
     "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc", "cbrt",
     "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "select_n", "clamp", "stop_gradient",
@@ -289,13 +291,17 @@ _SOFTMAX = {"softmax": attention.softmax_fp32, "log_softmax": attention.log_soft
 
 @dataclasses.dataclass
 class _Plan:
-    """Softmax replacements in one jaxpr and the equations still needed after them."""
+    """Softmax replacements in one jaxpr, the equations still needed after them, and the
+    regions that keep the function's meaning (:mod:`jamp.autocast_regions`)."""
 
     replace: dict[int, tuple[str, Any, tuple]]
     live: list[bool]
+    constants: set = dataclasses.field(default_factory=set)
+    norms: dict[int, regions.NormRegion] = dataclasses.field(default_factory=dict)
+    state: set = dataclasses.field(default_factory=set)
 
 
-def _plan(jaxpr: jex.Jaxpr, rules: Rules) -> _Plan:
+def _plan(jaxpr: jex.Jaxpr, rules: Rules, top: bool = False) -> _Plan:
     replace = {}
     if rules.softmax:
         producers = _producers(jaxpr)
@@ -311,7 +317,10 @@ def _plan(jaxpr: jex.Jaxpr, rules: Rules) -> _Plan:
             live[i] = True
             inputs = [replace[i][1]] if i in replace else eqn.invars
             needed.update(v for v in inputs if not isinstance(v, jex.Literal))
-    return _Plan(replace, live)
+    norms = {i: r for r in regions.norm_regions(jaxpr) for i in r.eqns} if \
+        rules.float32_ops else {}
+    state = regions.state_equations(jaxpr) if top and rules.cast_inputs else set()
+    return _Plan(replace, live, regions.constants(jaxpr), norms, state)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -411,12 +420,48 @@ def _whole_softmax(closed: jex.ClosedJaxpr, rules: Rules) -> tuple[str, tuple] |
     return None
 
 
+def _generic(closed: jex.ClosedJaxpr) -> bool:
+    """Whether a function runs on any floating dtype: only dtype-generic and float32-list ops."""
+    jaxpr, _ = regions.inline(closed.jaxpr, closed.consts)
+    return all(e.primitive.name in _POLYMORPHIC | _FLOAT32 | {"custom_jvp_call"}
+               for e in jaxpr.eqns)
+
+
+def _custom_jvp(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
+    """A dtype-generic ``custom_jvp`` function (``jax.nn.relu``) on the values' own dtypes:
+    its function and its jvp rule's jaxpr, evaluated by autocast, keep the rule."""
+    p = eqn.params
+
+    def primal(*xs):
+        return _eval_closed(p["call_jaxpr"], xs, rules)
+
+    f = jax.custom_jvp(primal)
+
+    def jvp(primals, tangents):
+        jaxpr, consts, out_zeros = p["jvp_jaxpr_fun"].call_wrapped(*[False] * len(primals))
+        out = _eval(jaxpr, consts, [*primals, *tangents], rules)
+        like = jax.eval_shape(primal, *primals)
+        ys, dys = out[:len(out_zeros)], iter(out[len(out_zeros):])
+        dys = [jnp.zeros(y.shape, y.dtype) if zero else next(dys)
+               for y, zero in zip(like, out_zeros, strict=True)]
+        return _cast_like(ys, like), _cast_like(dys, like)
+
+    f.defjvp(jvp)
+    return list(f(*invals))
+
+
 def _custom(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
-    """custom_jvp/custom_vjp functions run as written, except a whole softmax on half logits."""
+    """custom_jvp/custom_vjp functions run as written, except a whole softmax on half logits
+    and dtype-generic custom_jvp functions (relu) on half values."""
     found = None
     if rules.softmax and len(invals) == 1 and is_floating(invals[0]) and invals[0].dtype in _HALF:
         found = _whole_softmax(eqn.params["call_jaxpr"], rules)
     if found is None:
+        if (rules.cast_dots and eqn.primitive.name == "custom_jvp_call"
+                and not eqn.params["num_consts"]
+                and any(is_floating(x) and x.dtype in _HALF for x in invals)
+                and _generic(eqn.params["call_jaxpr"])):
+            return _custom_jvp(eqn, invals, rules)
         return _as_traced(eqn, invals)
     kind, axes = found
     return [_SOFTMAX[kind](invals[0], axes)]
@@ -512,20 +557,58 @@ def _eval_closed(closed: jex.ClosedJaxpr, args: Sequence[Any], rules: Rules) -> 
     return _eval(closed.jaxpr, closed.consts, args, rules)
 
 
-def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Rules) -> list:
-    """Evaluates ``jaxpr`` on ``args`` (of any floating dtypes) applying ``rules``."""
+def _narrow_constants(invals: Sequence[Any], eqn: jex.JaxprEqn, plan: _Plan) -> list:
+    """Constant operands (fills, masks) narrowed with their finite values kept finite."""
+    dtypes = {x.dtype for x in invals if is_floating(x)}
+    if len(dtypes) < 2:
+        return list(invals)
+    target = _narrowest_dtype(dtypes)
+    return [regions.narrow_finite(x, target) if is_floating(x) and x.dtype != target and (
+        isinstance(v, jex.Literal) or v in plan.constants) else x
+        for x, v in zip(invals, eqn.invars, strict=True)]
+
+
+def _in_float32(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
+    """A normalisation's equation: floating operands in float32, bound as written."""
+    return _bind(eqn, [x.astype(jnp.float32) if is_floating(x) else x for x in invals])
+
+
+def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Rules,
+          top: bool = False) -> list:
+    """Evaluates ``jaxpr`` on ``args`` (of any floating dtypes) applying ``rules``; at the
+    ``top`` of :func:`rewrite`, casts the inputs (``rules.cast_inputs``) and keeps state."""
+    jaxpr, consts = regions.inline(jaxpr, consts)
+    plan = _plan(jaxpr, rules, top)
+    if top and rules.cast_inputs:  # state inputs keep their dtype
+        keep = set(regions.state_inputs(jaxpr)) if plan.state else set()
+        args = [x if i in keep else cast_floating(x, rules.compute_dtype)
+                for i, x in enumerate(args)]
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
+    wide: dict = {}  # float32 values of the normalisations, read inside them
     read = lambda v: _literal(v) if isinstance(v, jex.Literal) else env[v]
-    plan = _plan(jaxpr, rules)
     for i, eqn in enumerate(jaxpr.eqns):
         if not plan.live[i]:
             continue
         if i in plan.replace:
             kind, a, axes = plan.replace[i]
-            outs = [_SOFTMAX[kind](env[a], axes)]
+            env[eqn.outvars[0]] = _SOFTMAX[kind](env[a], axes)
+            continue
+        invals = _narrow_constants([read(v) for v in eqn.invars], eqn, plan)
+        if i in plan.state:
+            outs = _as_traced(eqn, invals)
+        elif i in plan.norms:
+            norm = plan.norms[i]
+            outs = _in_float32(eqn, [wide.get(v, x) for v, x in zip(eqn.invars, invals,
+                                                                     strict=True)])
+            back = _narrowest_dtype([env[v].dtype for v in norm.inputs if is_floating(env[v])]
+                                    or [jnp.float32])
+            wide.update((v, y) for v, y in zip(eqn.outvars, outs, strict=True)
+                        if v in norm.exits)
+            outs = [y.astype(back) if v in norm.exits and is_floating(y) else y
+                    for v, y in zip(eqn.outvars, outs, strict=True)]
         else:
-            outs = _apply(eqn, [read(v) for v in eqn.invars], rules)
+            outs = _apply(eqn, invals, rules)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
@@ -569,9 +652,7 @@ def rewrite(fn: Callable[..., Any], rules: Rules) -> Callable[..., Any]:
 
         arrays = [leaves[i] for i in dynamic]
         closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*arrays)
-        if rules.cast_inputs:
-            arrays = cast_floating(arrays, rules.compute_dtype)
-        outs = _eval_closed(closed, arrays, rules)
+        outs = _eval(closed.jaxpr, closed.consts, arrays, rules, top=True)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
     return rewritten

@@ -1,0 +1,352 @@
+"""Where :func:`jamp.autocast` keeps a function's meaning over its op rules.
+
+autocast's op rules (compute-dtype dots, float32 lists, the narrowest dtype
+where floating operands meet) are local: each looks at one equation. Some
+meanings are not local, and this module finds them in a jaxpr before it is
+evaluated:
+
+- :func:`inline`: nested ``jit`` calls (``jnp.var``, ``jnp.where`` are jitted
+  helpers) flattened into one list of equations, so the patterns below are seen
+  whole;
+- :func:`constants`: values computed from literals and closed-over constants
+  only (a ``jnp.finfo(x.dtype).min`` or ``-1e30`` fill). Narrowed to a half
+  dtype they are clipped to its finite range (:func:`narrow_finite`), so a
+  masked logit stays finite and a fully masked softmax row stays as finite as in
+  float32;
+- :func:`norm_regions`: normalisation, ``rsqrt(var + eps)`` (or ``x / sqrt``)
+  of statistics reduced from an input (layer, group, batch and RMS norm: mean,
+  variance, the centred input, the scaling and the affine), runs in float32 and
+  returns its input's dtype, as ``torch.amp`` runs ``layer_norm``; statistics
+  used elsewhere (a BatchNorm's batch mean) leave in float32;
+- :func:`state_equations`: state. An output with the shape of a floating input
+  that it reaches through elementwise ops only (``m * r + (1 - m) * mean``,
+  ``count + 1``, ``w - lr * g``) is computed in the input's own dtype, and that
+  input is not cast on entry; a path that meets a matmul or convolution output
+  (a bias added to logits) is not state, so model outputs keep the compute dtype.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jamp import autocast_regions as regions
+  >>> ema = lambda r, x: 0.99 * r + 0.01 * x.mean(0)
+  >>> closed = jax.make_jaxpr(ema)(jnp.ones(3), jnp.ones((2, 3)))
+  >>> jaxpr, _ = regions.inline(closed.jaxpr, closed.consts)
+  >>> len(regions.state_equations(jaxpr)), regions.state_inputs(jaxpr)
+  (2, [0])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+
+__all__ = ["NormRegion", "constants", "inline", "narrow_finite", "norm_regions",
+           "state_equations", "state_inputs"]
+
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr"}
+_SHAPE = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+                    "convert_element_type", "copy", "copy_p"})
+_ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "div", "neg", "max", "min",
+                          "select_n", "clamp", "stop_gradient"}) | _SHAPE
+_STATISTICS = frozenset({"reduce_sum", "square", "integer_pow"}) | _ELEMENTWISE
+_DOTS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+# ----------------------------------------------------------------------------- inline
+
+
+def inline(jaxpr: jex.Jaxpr, consts: Sequence[Any]) -> tuple[jex.Jaxpr, list]:
+    """``jaxpr`` with every nested ``jit``/``closed_call`` inlined (fresh variables per call).
+
+    Returns the flat jaxpr and its consts (the outer ones, then the inner calls').
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jamp.autocast_regions import inline
+      >>> closed = jax.make_jaxpr(lambda x: jnp.var(x))(jnp.ones(3))
+      >>> flat, _ = inline(closed.jaxpr, closed.consts)
+      >>> "pjit" in {e.primitive.name for e in flat.eqns} or "jit" in {
+      ...     e.primitive.name for e in flat.eqns}
+      False
+    """
+    if not any(e.primitive.name in _CALLS for e in jaxpr.eqns):
+        return jaxpr, list(consts)
+    constvars, consts = list(jaxpr.constvars), list(consts)
+    eqns: list = []
+    alias: dict = {}
+    resolve = lambda a: alias.get(a, a) if isinstance(a, jex.Var) else a
+
+    def emit(inner: jex.Jaxpr, inner_consts: Sequence[Any], args: Sequence[Any]) -> list:
+        sub = dict(zip(inner.invars, args, strict=True))
+        for v, c in zip(inner.constvars, inner_consts, strict=True):
+            fresh = jex.Var(v.aval)
+            constvars.append(fresh)
+            consts.append(c)
+            sub[v] = fresh
+        get = lambda a: sub.get(a, a) if isinstance(a, jex.Var) else a
+        for e in inner.eqns:
+            invars = [get(a) for a in e.invars]
+            if e.primitive.name in _CALLS:
+                closed = e.params[_CALLS[e.primitive.name]]
+                outs = emit(closed.jaxpr, closed.consts, invars)
+                sub.update(zip(e.outvars, outs, strict=True))
+                continue
+            outvars = [jex.Var(v.aval) for v in e.outvars]
+            sub.update(zip(e.outvars, outvars, strict=True))
+            eqns.append(e.replace(invars=invars, outvars=outvars))
+        return [get(a) for a in inner.outvars]
+
+    for e in jaxpr.eqns:
+        invars = [resolve(a) for a in e.invars]
+        if e.primitive.name in _CALLS:
+            closed = e.params[_CALLS[e.primitive.name]]
+            alias.update(zip(e.outvars, emit(closed.jaxpr, closed.consts, invars), strict=True))
+        else:
+            eqns.append(e.replace(invars=invars))
+    outvars = [resolve(a) for a in jaxpr.outvars]
+    flat = jaxpr.replace(constvars=constvars, eqns=eqns, outvars=outvars)
+    return flat, consts
+
+
+# ----------------------------------------------------------------------------- constants
+
+
+def constants(jaxpr: jex.Jaxpr) -> set:
+    """Variables computed from literals and ``jaxpr``'s constvars only (fills, masks).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jamp.autocast_regions import constants, inline
+      >>> closed = jax.make_jaxpr(lambda x: x + jnp.full(3, -1e30))(jnp.ones(3))
+      >>> len(constants(closed.jaxpr))
+      1
+    """
+    known = set(jaxpr.constvars)
+    for e in jaxpr.eqns:
+        if not e.effects and all(isinstance(v, jex.Literal) or v in known for v in e.invars):
+            known.update(e.outvars)
+    return known
+
+
+def narrow_finite(x: Any, dtype: Any) -> Any:
+    """``x`` cast to ``dtype``, finite values clipped to ``dtype``'s finite range first.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jamp.autocast_regions import narrow_finite
+      >>> narrow_finite(jnp.float32(-1e30), jnp.float16), jnp.float32(-1e30).astype(jnp.float16)
+      (Array(-65504., dtype=float16), Array(-inf, dtype=float16))
+    """
+    info = jnp.finfo(dtype)
+    lo, hi = np.asarray(info.min, x.dtype), np.asarray(info.max, x.dtype)
+    if isinstance(x, np.ndarray | np.generic):
+        return np.where(np.isfinite(x), np.clip(x, lo, hi), x).astype(dtype)
+    return jnp.where(jnp.isfinite(x), jnp.clip(x, lo, hi), x).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+@dataclasses.dataclass(frozen=True)
+class NormRegion:
+    """One normalisation: its equations (indices), its inputs, and the values it returns.
+
+    Attributes:
+      eqns: indices of the equations that run in float32.
+      inputs: the normalised values (the reductions' operands): the region returns
+        their dtype.
+      exits: normalised values read outside the region (cast back to the inputs' dtype);
+        the statistics read outside leave in float32.
+    """
+
+    eqns: frozenset
+    inputs: tuple
+    exits: frozenset
+
+
+def _graph(jaxpr: jex.Jaxpr) -> tuple[dict, dict]:
+    producers = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    consumers: dict = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for v in e.invars:
+            if isinstance(v, jex.Var):
+                consumers.setdefault(v, []).append(i)
+    return producers, consumers
+
+
+def _statistics(jaxpr: jex.Jaxpr, producers: dict, start: Any,
+                limit: int = 60) -> tuple[set, set] | None:
+    """The equations computing ``start`` from reductions of some inputs, and those inputs.
+
+    Walks up through elementwise, shape and ``reduce_sum`` equations; below a
+    reduction at most three elementwise steps (``x - mean``, its square) before
+    a value counts as an input. ``None`` without a reduction or past ``limit``.
+    """
+    region, leaves, reduced = set(), set(), False
+    stack = [(start, None)]
+    while stack:
+        v, depth = stack.pop()
+        i = producers.get(v) if isinstance(v, jex.Var) else None
+        if i is None:
+            if isinstance(v, jex.Var) and depth is not None:
+                leaves.add(v)
+            continue
+        eqn = jaxpr.eqns[i]
+        name = eqn.primitive.name
+        if name not in _STATISTICS or (depth is not None and name not in _SHAPE and depth >= 3
+                                       and name != "reduce_sum"):
+            if depth is None:
+                return None  # no reduction between the anchor and an input
+            leaves.add(v)
+            continue
+        if i in region:
+            continue
+        region.add(i)
+        if len(region) > limit:
+            return None
+        if name == "reduce_sum":
+            reduced, next_depth = True, 0
+        elif depth is None or name in _SHAPE:
+            next_depth = depth
+        else:
+            next_depth = depth + 1
+        stack.extend((u, next_depth) for u in eqn.invars)
+    return (region, leaves) if reduced and leaves else None
+
+
+def _anchors(jaxpr: jex.Jaxpr, consumers: dict) -> list[int]:
+    out = []
+    for i, e in enumerate(jaxpr.eqns):
+        name = e.primitive.name
+        if name == "rsqrt" or (name == "sqrt" and any(
+                jaxpr.eqns[j].primitive.name == "div" for j in consumers.get(e.outvars[0], []))):
+            out.append(i)
+    return out
+
+
+def _size(v: Any) -> int:
+    return int(np.prod(getattr(v.aval, "shape", ())))
+
+
+def norm_regions(jaxpr: jex.Jaxpr) -> list[NormRegion]:
+    """The normalisations of ``jaxpr``: ``rsqrt``/``sqrt`` of reduced statistics plus affine.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jamp.autocast_regions import norm_regions
+      >>> ln = lambda x, w: (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(
+      ...     x.var(-1, keepdims=True) + 1e-5) * w
+      >>> closed = jax.make_jaxpr(ln)(jnp.ones((2, 4)), jnp.ones(4))
+      >>> [len(r.inputs) for r in norm_regions(closed.jaxpr)]
+      [1]
+    """
+    producers, consumers = _graph(jaxpr)
+    sources = set(jaxpr.invars) | set(jaxpr.constvars)
+    regions = []
+    for anchor in _anchors(jaxpr, consumers):
+        found = _statistics(jaxpr, producers, jaxpr.eqns[anchor].invars[0])
+        if found is None:
+            continue
+        stats, leaves = found
+        inputs = {v for v in leaves if v.aval.shape and jnp.issubdtype(v.aval.dtype, jnp.floating)}
+        inputs = {v for v in inputs if _size(v) == max(_size(u) for u in inputs)}
+        region = stats | {anchor}
+        normalised = set(jaxpr.eqns[anchor].outvars)
+        inside = {v for i in region for v in jaxpr.eqns[i].outvars}
+
+        def acceptable(v: Any, out_size: int) -> bool:
+            if not isinstance(v, jex.Var) or v in inside or v in leaves or _size(v) < out_size:
+                return True
+            while v not in sources and producers.get(v) is not None and \
+                    jaxpr.eqns[producers[v]].primitive.name in _SHAPE:
+                v = jaxpr.eqns[producers[v]].invars[0]
+            if v in sources or v in inside:
+                return True
+            centred = _statistics(jaxpr, producers, v)  # x - mean(x), computed apart
+            if centred is not None and centred[1] <= leaves | sources:
+                region.update(centred[0])
+                inside.update(u for i in centred[0] for u in jaxpr.eqns[i].outvars)
+                return True
+            return False
+
+        for i in range(anchor + 1, len(jaxpr.eqns)):
+            e = jaxpr.eqns[i]
+            if e.primitive.name not in ("mul", "div", "add", "sub", "convert_element_type",
+                                        "broadcast_in_dim") or not any(
+                                            v in normalised for v in e.invars):
+                continue
+            size = _size(e.outvars[0])
+            if all(acceptable(v, size) for v in e.invars if v not in normalised):
+                region.add(i)
+                normalised.update(e.outvars)
+                inside.update(e.outvars)
+        outside = {v for i, e in enumerate(jaxpr.eqns) if i not in region for v in e.invars}
+        outside |= {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+        exits = frozenset(v for v in normalised if v in outside)
+        regions.append(NormRegion(frozenset(region), tuple(inputs), exits))
+    return regions
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def _from_dot(jaxpr: jex.Jaxpr, producers: dict, v: Any) -> bool:
+    while isinstance(v, jex.Var) and v in producers:
+        e = jaxpr.eqns[producers[v]]
+        if e.primitive.name in _DOTS:
+            return True
+        if e.primitive.name not in _SHAPE | {"transpose"}:
+            return False
+        v = e.invars[0]
+    return False
+
+
+def _state(jaxpr: jex.Jaxpr) -> tuple[set, set]:
+    producers, _ = _graph(jaxpr)
+    floating = [v for v in jaxpr.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    reach: dict = {v: {v} for v in floating}  # var -> the inputs it is an elementwise path of
+    via: dict = {}
+    for i, e in enumerate(jaxpr.eqns):
+        if e.primitive.name not in _ELEMENTWISE:
+            continue
+        srcs = set().union(*(reach.get(v, set()) for v in e.invars if isinstance(v, jex.Var)))
+        if not srcs or any(_from_dot(jaxpr, producers, v) for v in e.invars):
+            continue
+        for v in e.outvars:
+            reach[v] = srcs
+            via[v] = i
+    eqns, inputs = set(), set()
+    stack = []
+    for v in jaxpr.outvars:
+        if not isinstance(v, jex.Var) or v not in via:
+            continue
+        same = {s for s in reach[v] if s.aval.shape == v.aval.shape}
+        if same:
+            inputs |= same
+            stack.append(v)
+    while stack:
+        v = stack.pop()
+        i = via.get(v)
+        if i is None or i in eqns:
+            continue
+        eqns.add(i)
+        stack.extend(u for u in jaxpr.eqns[i].invars if isinstance(u, jex.Var) and u in via)
+    return eqns, inputs
+
+
+def state_equations(jaxpr: jex.Jaxpr) -> set[int]:
+    """Indices of the equations on elementwise paths from a floating input to an output of
+    its shape that meet no matmul/conv output: they run in the dtypes they were traced with.
+    """
+    return _state(jaxpr)[0]
+
+
+def state_inputs(jaxpr: jex.Jaxpr) -> list[int]:
+    """Positions of the floating inputs that are state (see :func:`state_equations`)."""
+    inputs = _state(jaxpr)[1]
+    return [i for i, v in enumerate(jaxpr.invars) if v in inputs]
