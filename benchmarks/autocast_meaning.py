@@ -50,8 +50,8 @@ def attention_loss(params, x, mask, valid, fill="finfo"):
     return jnp.sum(jnp.where(valid[..., None], out, 0.0) ** 2) / jnp.sum(valid)
 
 
-def attention_case(key=jax.random.key(0), length=6, dim=8):
-    ks = jax.random.split(key, 5)
+def attention_case(seed=0, length=6, dim=8):
+    ks = jax.random.split(jax.random.key(seed), 5)
     params = {n: jax.random.normal(k, (dim, dim)) / np.sqrt(dim)
               for n, k in zip("qkvo", ks[:4], strict=True)}
     x = jax.random.normal(ks[4], (2, length, dim))
@@ -88,8 +88,8 @@ def relu_mlp(params, x):
     return x @ w + b
 
 
-def mlp_params(sizes=(784, 512, 512, 10), key=jax.random.key(0)):
-    keys = jax.random.split(key, len(sizes) - 1)
+def mlp_params(sizes=(784, 512, 512, 10), seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(sizes) - 1)
     return [(jax.random.normal(k, (m, n)) / np.sqrt(m), jnp.zeros(n))
             for k, m, n in zip(keys, sizes[:-1], sizes[1:], strict=True)]
 
@@ -106,14 +106,14 @@ def residual_bytes(loss, *args) -> int:
 # ----------------------------------------------------------------------------- ViT
 
 
-def vit_params(key=jax.random.key(0), blocks=4, dim=192, patch=4, channels=3, classes=10):
+def vit_params(seed=0, blocks=4, dim=192, patch=4, channels=3, classes=10):
     def dense(k, m, n):
         return {"w": jax.random.normal(k, (m, n)) / np.sqrt(m), "b": jnp.zeros(n)}
 
     def ln():
         return {"weight": jnp.ones(dim), "bias": jnp.zeros(dim)}
 
-    keys = iter(jax.random.split(key, 4 * blocks + 2))
+    keys = iter(jax.random.split(jax.random.key(seed), 4 * blocks + 2))
     return {"embed": dense(next(keys), patch * patch * channels, dim),
             "blocks": [{"ln1": ln(), "qkv": dense(next(keys), dim, 3 * dim),
                         "out": dense(next(keys), dim, dim), "ln2": ln(),

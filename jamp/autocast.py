@@ -108,8 +108,6 @@ _POLYMORPHIC = frozenset({
     "reduce_window_sum", "reduce_window_max", "reduce_window_min",
     "psum", "pmax", "pmin", "all_gather", "ppermute", "all_to_all",
 })
-_TRANSPARENT = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "squeeze",
-                          "expand_dims", "stop_gradient", "max"})
 
 
 def is_floating(x: Any) -> bool:
@@ -213,76 +211,6 @@ def _projection(eqn: jex.JaxprEqn) -> bool:
     return not lhs_batch and not rhs_batch
 
 
-# ----------------------------------------------------------------------------- patterns
-
-
-def _producers(jaxpr: jex.Jaxpr) -> dict[Any, jex.JaxprEqn]:
-    return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-
-
-def _chase(var: Any, producers: dict, through: frozenset) -> tuple[Any, Any]:
-    """Follows ``var`` up through shape/dtype-only ops; returns it and its producer."""
-    eqn = producers.get(var)
-    while eqn is not None and eqn.primitive.name in through:
-        operands = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
-        if len(operands) != 1:
-            break
-        var = operands[0]
-        eqn = producers.get(var)
-    return var, eqn
-
-
-def _max_shifted(f: Any, producers: dict) -> tuple[Any, tuple] | None:
-    """``f = a - stop_gradient(max(a, axes))``: returns ``(a, axes)``."""
-    sub = producers.get(f)
-    if sub is None or sub.primitive.name != "sub":
-        return None
-    a, shift = sub.invars
-    _, reduce = _chase(shift, producers, _TRANSPARENT)
-    if reduce is None or reduce.primitive.name != "reduce_max" or reduce.invars[0] is not a:
-        return None
-    return a, tuple(reduce.params["axes"])
-
-
-def _sum_of_exp(k: Any, producers: dict, axes: tuple) -> Any:
-    """``k = sum(exp(f), axes)`` (through casts/broadcasts): returns ``f``."""
-    _, total = _chase(k, producers, _TRANSPARENT - {"max", "stop_gradient"})
-    if total is None or total.primitive.name != "reduce_sum" or tuple(
-            total.params["axes"]) != axes:
-        return None
-    _, exp = _chase(total.invars[0], producers, frozenset({"convert_element_type"}))
-    if exp is None or exp.primitive.name != "exp":
-        return None
-    return exp.invars[0]
-
-
-def _softmax_at(eqn: jex.JaxprEqn, producers: dict) -> tuple[str, Any, tuple] | None:
-    """Recognises ``eqn`` as the last op of a softmax or log-softmax of one array.
-
-    softmax: ``exp(f) / sum(exp(f))``; log-softmax: ``f - log(sum(exp(f)))``, with
-    ``f = a - stop_gradient(max(a))`` (what ``jax.nn`` and ``flax.linen`` trace to).
-    """
-    name = eqn.primitive.name
-    if name not in ("div", "sub") or any(isinstance(v, jex.Literal) for v in eqn.invars):
-        return None
-    num, den = eqn.invars
-    if name == "div":
-        exp = producers.get(num)
-        if exp is None or exp.primitive.name != "exp":
-            return None
-        f = exp.invars[0]
-        total = den
-    else:
-        log = producers.get(den)
-        if log is None or log.primitive.name != "log":
-            return None
-        f, total = num, log.invars[0]
-    found = _max_shifted(f, producers)
-    if found is None or _sum_of_exp(total, producers, found[1]) is not f:
-        return None
-    return ("softmax" if name == "div" else "log_softmax", *found)
-
-
 _SOFTMAX = {"softmax": attention.softmax_fp32, "log_softmax": attention.log_softmax_fp32}
 
 
@@ -304,9 +232,9 @@ class _Plan:
 def _plan(jaxpr: jex.Jaxpr, rules: Rules, top: bool = False) -> _Plan:
     replace = {}
     if rules.softmax:
-        producers = _producers(jaxpr)
+        producers = regions.producers(jaxpr)
         for i, eqn in enumerate(jaxpr.eqns):
-            found = _softmax_at(eqn, producers)
+            found = regions.softmax_at(eqn, producers)
             if found is not None:  # whatever it traced as: its values may be half precision
                 replace[i] = found
     needed = {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
@@ -560,7 +488,7 @@ def _eval_closed(closed: jex.ClosedJaxpr, args: Sequence[Any], rules: Rules) -> 
 def _narrow_constants(invals: Sequence[Any], eqn: jex.JaxprEqn, plan: _Plan) -> list:
     """Constant operands (fills, masks) narrowed with their finite values kept finite."""
     dtypes = {x.dtype for x in invals if is_floating(x)}
-    if len(dtypes) < 2:
+    if len(dtypes) < 2 or eqn.primitive.name not in _POLYMORPHIC | _FLOAT32:
         return list(invals)
     target = _narrowest_dtype(dtypes)
     return [regions.narrow_finite(x, target) if is_floating(x) and x.dtype != target and (
@@ -599,8 +527,8 @@ def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: R
             outs = _as_traced(eqn, invals)
         elif i in plan.norms:
             norm = plan.norms[i]
-            outs = _in_float32(eqn, [wide.get(v, x) for v, x in zip(eqn.invars, invals,
-                                                                     strict=True)])
+            outs = _in_float32(eqn, [x if isinstance(v, jex.Literal) else wide.get(v, x)
+                                     for v, x in zip(eqn.invars, invals, strict=True)])
             back = _narrowest_dtype([env[v].dtype for v in norm.inputs if is_floating(env[v])]
                                     or [jnp.float32])
             wide.update((v, y) for v, y in zip(eqn.outvars, outs, strict=True)

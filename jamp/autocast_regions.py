@@ -8,6 +8,8 @@ evaluated:
 - :func:`inline`: nested ``jit`` calls (``jnp.var``, ``jnp.where`` are jitted
   helpers) flattened into one list of equations, so the patterns below are seen
   whole;
+- :func:`softmax_at`: the last op of a softmax or log-softmax (``exp(x - max(x)) / sum``),
+  which autocast replaces by a float32 softmax with half-precision residuals;
 - :func:`constants`: values computed from literals and closed-over constants
   only (a ``jnp.finfo(x.dtype).min`` or ``-1e30`` fill). Narrowed to a half
   dtype they are clipped to its finite range (:func:`narrow_finite`), so a
@@ -40,13 +42,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
-__all__ = ["NormRegion", "constants", "inline", "narrow_finite", "norm_regions",
-           "state_equations", "state_inputs"]
+__all__ = ["NormRegion", "constants", "inline", "narrow_finite", "norm_regions", "producers",
+           "softmax_at", "state_equations", "state_inputs"]
 
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr"}
 _SHAPE = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
@@ -113,6 +114,81 @@ def inline(jaxpr: jex.Jaxpr, consts: Sequence[Any]) -> tuple[jex.Jaxpr, list]:
     return flat, consts
 
 
+_TRANSPARENT = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "squeeze",
+                          "expand_dims", "stop_gradient", "max"})
+
+
+# ----------------------------------------------------------------------------- softmax
+
+
+def producers(jaxpr: jex.Jaxpr) -> dict[Any, jex.JaxprEqn]:
+    """Each variable of ``jaxpr`` and the equation that computes it."""
+    return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+
+def _chase(var: Any, producers: dict, through: frozenset) -> tuple[Any, Any]:
+    """Follows ``var`` up through shape/dtype-only ops; returns it and its producer."""
+    eqn = producers.get(var)
+    while eqn is not None and eqn.primitive.name in through:
+        operands = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
+        if len(operands) != 1:
+            break
+        var = operands[0]
+        eqn = producers.get(var)
+    return var, eqn
+
+
+def _max_shifted(f: Any, producers: dict) -> tuple[Any, tuple] | None:
+    """``f = a - stop_gradient(max(a, axes))``: returns ``(a, axes)``."""
+    sub = producers.get(f)
+    if sub is None or sub.primitive.name != "sub":
+        return None
+    a, shift = sub.invars
+    _, reduce = _chase(shift, producers, _TRANSPARENT)
+    if reduce is None or reduce.primitive.name != "reduce_max" or reduce.invars[0] is not a:
+        return None
+    return a, tuple(reduce.params["axes"])
+
+
+def _sum_of_exp(k: Any, producers: dict, axes: tuple) -> Any:
+    """``k = sum(exp(f), axes)`` (through casts/broadcasts): returns ``f``."""
+    _, total = _chase(k, producers, _TRANSPARENT - {"max", "stop_gradient"})
+    if total is None or total.primitive.name != "reduce_sum" or tuple(
+            total.params["axes"]) != axes:
+        return None
+    _, exp = _chase(total.invars[0], producers, frozenset({"convert_element_type"}))
+    if exp is None or exp.primitive.name != "exp":
+        return None
+    return exp.invars[0]
+
+
+def softmax_at(eqn: jex.JaxprEqn, producers: dict) -> tuple[str, Any, tuple] | None:
+    """Recognises ``eqn`` as the last op of a softmax or log-softmax of one array.
+
+    softmax: ``exp(f) / sum(exp(f))``; log-softmax: ``f - log(sum(exp(f)))``, with
+    ``f = a - stop_gradient(max(a))`` (what ``jax.nn`` and ``flax.linen`` trace to).
+    """
+    name = eqn.primitive.name
+    if name not in ("div", "sub") or any(isinstance(v, jex.Literal) for v in eqn.invars):
+        return None
+    num, den = eqn.invars
+    if name == "div":
+        exp = producers.get(num)
+        if exp is None or exp.primitive.name != "exp":
+            return None
+        f = exp.invars[0]
+        total = den
+    else:
+        log = producers.get(den)
+        if log is None or log.primitive.name != "log":
+            return None
+        f, total = num, log.invars[0]
+    found = _max_shifted(f, producers)
+    if found is None or _sum_of_exp(total, producers, found[1]) is not f:
+        return None
+    return ("softmax" if name == "div" else "log_softmax", *found)
+
+
 # ----------------------------------------------------------------------------- constants
 
 
@@ -121,10 +197,10 @@ def constants(jaxpr: jex.Jaxpr) -> set:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jamp.autocast_regions import constants, inline
-      >>> closed = jax.make_jaxpr(lambda x: x + jnp.full(3, -1e30))(jnp.ones(3))
-      >>> len(constants(closed.jaxpr))
-      1
+      >>> from jamp.autocast_regions import constants
+      >>> jaxpr = jax.make_jaxpr(lambda x: x + jnp.full(3, -1e30))(jnp.ones(3)).jaxpr
+      >>> [e.primitive.name for e in jaxpr.eqns if e.outvars[0] in constants(jaxpr)]
+      ['broadcast_in_dim']
     """
     known = set(jaxpr.constvars)
     for e in jaxpr.eqns:
@@ -179,16 +255,17 @@ def _graph(jaxpr: jex.Jaxpr) -> tuple[dict, dict]:
     return producers, consumers
 
 
-def _statistics(jaxpr: jex.Jaxpr, producers: dict, start: Any,
+def _statistics(jaxpr: jex.Jaxpr, producers: dict, start: Any, below: bool = False,
                 limit: int = 60) -> tuple[set, set] | None:
     """The equations computing ``start`` from reductions of some inputs, and those inputs.
 
     Walks up through elementwise, shape and ``reduce_sum`` equations; below a
-    reduction at most three elementwise steps (``x - mean``, its square) before
-    a value counts as an input. ``None`` without a reduction or past ``limit``.
+    reduction at most four elementwise steps (``x - mean``, its square) before
+    a value counts as an input (``below``: ``start`` itself is below one, as
+    ``x - mean(x)``). ``None`` without a reduction or past ``limit``.
     """
     region, leaves, reduced = set(), set(), False
-    stack = [(start, None)]
+    stack = [(start, 0 if below else None)]
     while stack:
         v, depth = stack.pop()
         i = producers.get(v) if isinstance(v, jex.Var) else None
@@ -198,9 +275,9 @@ def _statistics(jaxpr: jex.Jaxpr, producers: dict, start: Any,
             continue
         eqn = jaxpr.eqns[i]
         name = eqn.primitive.name
-        if name not in _STATISTICS or (depth is not None and name not in _SHAPE and depth >= 3
+        if name not in _STATISTICS or (depth is not None and name not in _SHAPE and depth >= 4
                                        and name != "reduce_sum"):
-            if depth is None:
+            if depth is None and jnp.issubdtype(v.aval.dtype, jnp.floating):
                 return None  # no reduction between the anchor and an input
             leaves.add(v)
             continue
@@ -229,8 +306,54 @@ def _anchors(jaxpr: jex.Jaxpr, consumers: dict) -> list[int]:
     return out
 
 
+def _vars(atoms: Sequence[Any]) -> list:
+    return [v for v in atoms if isinstance(v, jex.Var)]
+
+
 def _size(v: Any) -> int:
     return int(np.prod(getattr(v.aval, "shape", ())))
+
+
+def _norm_region(jaxpr: jex.Jaxpr, producers: dict, sources: set, anchor: int, stats: set,
+                 leaves: set) -> NormRegion:
+    """The statistics, the anchor, and what follows it: ``(x - mean) * inv``, the affine."""
+    inputs = {v for v in leaves if v.aval.shape and jnp.issubdtype(v.aval.dtype, jnp.floating)}
+    inputs = {v for v in inputs if _size(v) == max(_size(u) for u in inputs)}
+    region = stats | {anchor}
+    normalised = set(jaxpr.eqns[anchor].outvars)
+    inside = {v for i in region for v in jaxpr.eqns[i].outvars}
+
+    def acceptable(v: Any, out_size: int) -> bool:
+        if not isinstance(v, jex.Var) or v in inside or v in leaves or _size(v) < out_size:
+            return True
+        while v not in sources and producers.get(v) is not None and \
+                jaxpr.eqns[producers[v]].primitive.name in _SHAPE:
+            v = jaxpr.eqns[producers[v]].invars[0]
+        if v in sources or v in inside:
+            return True
+        centred = _statistics(jaxpr, producers, v, below=True)  # x - mean(x), apart
+        if centred is not None and centred[1] <= leaves | sources:
+            region.update(centred[0])
+            inside.update(u for i in centred[0] for u in jaxpr.eqns[i].outvars)
+            return True
+        return False
+
+    for i in range(anchor + 1, len(jaxpr.eqns)):
+        e = jaxpr.eqns[i]
+        if e.primitive.name not in ("mul", "div", "add", "sub", "convert_element_type",
+                                    "broadcast_in_dim") or not any(
+                                        v in normalised for v in _vars(e.invars)):
+            continue
+        size = _size(e.outvars[0])
+        if all(acceptable(v, size) for v in _vars(e.invars) if v not in normalised):
+            region.add(i)
+            normalised.update(e.outvars)
+            inside.update(e.outvars)
+    outside = {v for i, e in enumerate(jaxpr.eqns) if i not in region
+               for v in _vars(e.invars)}
+    outside |= set(_vars(jaxpr.outvars))
+    exits = frozenset(v for v in normalised if v in outside)
+    return NormRegion(frozenset(region), tuple(inputs), exits)
 
 
 def norm_regions(jaxpr: jex.Jaxpr) -> list[NormRegion]:
@@ -250,45 +373,8 @@ def norm_regions(jaxpr: jex.Jaxpr) -> list[NormRegion]:
     regions = []
     for anchor in _anchors(jaxpr, consumers):
         found = _statistics(jaxpr, producers, jaxpr.eqns[anchor].invars[0])
-        if found is None:
-            continue
-        stats, leaves = found
-        inputs = {v for v in leaves if v.aval.shape and jnp.issubdtype(v.aval.dtype, jnp.floating)}
-        inputs = {v for v in inputs if _size(v) == max(_size(u) for u in inputs)}
-        region = stats | {anchor}
-        normalised = set(jaxpr.eqns[anchor].outvars)
-        inside = {v for i in region for v in jaxpr.eqns[i].outvars}
-
-        def acceptable(v: Any, out_size: int) -> bool:
-            if not isinstance(v, jex.Var) or v in inside or v in leaves or _size(v) < out_size:
-                return True
-            while v not in sources and producers.get(v) is not None and \
-                    jaxpr.eqns[producers[v]].primitive.name in _SHAPE:
-                v = jaxpr.eqns[producers[v]].invars[0]
-            if v in sources or v in inside:
-                return True
-            centred = _statistics(jaxpr, producers, v)  # x - mean(x), computed apart
-            if centred is not None and centred[1] <= leaves | sources:
-                region.update(centred[0])
-                inside.update(u for i in centred[0] for u in jaxpr.eqns[i].outvars)
-                return True
-            return False
-
-        for i in range(anchor + 1, len(jaxpr.eqns)):
-            e = jaxpr.eqns[i]
-            if e.primitive.name not in ("mul", "div", "add", "sub", "convert_element_type",
-                                        "broadcast_in_dim") or not any(
-                                            v in normalised for v in e.invars):
-                continue
-            size = _size(e.outvars[0])
-            if all(acceptable(v, size) for v in e.invars if v not in normalised):
-                region.add(i)
-                normalised.update(e.outvars)
-                inside.update(e.outvars)
-        outside = {v for i, e in enumerate(jaxpr.eqns) if i not in region for v in e.invars}
-        outside |= {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
-        exits = frozenset(v for v in normalised if v in outside)
-        regions.append(NormRegion(frozenset(region), tuple(inputs), exits))
+        if found is not None:
+            regions.append(_norm_region(jaxpr, producers, sources, anchor, *found))
     return regions
 
 
