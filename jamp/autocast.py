@@ -27,8 +27,8 @@ recursing into ``jit``, ``scan``, ``while_loop``, ``cond`` and ``checkpoint``:
   them (use ``fp8_current``, or ``jamp.apply_policy`` on a linen/NNX model);
 - in modes whose softmax runs in float32 (``fp16``, ``bf16``, ``fp16_naive``):
   softmax and log-softmax of half-precision logits run in float32 and save only
-  half-precision residuals (:mod:`jamp.attention`); ``exp``, ``log``, powers,
-  square roots (normalisation statistics) and sums (losses, means, large
+  half-precision residuals (:mod:`jamp.attention`); ``exp``, ``log``, powers
+  (``square`` too), square roots (normalisation statistics) and sums (losses, means, large
   reductions) of half-precision values run in float32 and return the half
   dtype, rematerialised in the backward pass so only their half-precision
   inputs are saved;
@@ -36,9 +36,17 @@ recursing into ``jit``, ``scan``, ``while_loop``, ``cond`` and ``checkpoint``:
   reductions, sorts, collectives) run on the values as they are; where
   floating operands differ they meet at the narrowest dtype, so a float32
   constant does not pull half-precision activations back to float32;
-- every other op (and every ``custom_jvp``/``custom_vjp`` function, whose
-  derivative rule someone wrote for its traced types) gets its operands cast
-  back to the dtypes it was traced with, and runs exactly as written;
+- every other op (and every ``custom_vjp`` function, and every ``custom_jvp``
+  function that uses an op outside these lists) gets its operands cast back to
+  the dtypes it was traced with, and runs exactly as written; a dtype-generic
+  ``custom_jvp`` function (``jax.nn.relu``) runs on half values with its own jvp
+  rule, so it saves half-precision residuals;
+- the function's meaning is kept (:mod:`jamp.autocast_regions`): constants
+  (``finfo.min``, ``-1e30`` fills) narrowed to a half dtype are clipped to its
+  finite range; normalisations (mean, variance, ``rsqrt``, the affine) run in
+  float32 and return their input's dtype; state (an output reached from a
+  float32 input by elementwise ops meeting no matmul: running statistics, EMAs,
+  counters) is computed in its own dtype and its input is not cast;
 - loop carries keep the dtype they enter the loop with; ``cond`` branches meet
   at the narrowest dtype; outputs are cast to the policy's output dtype.
 
