@@ -200,7 +200,7 @@ def constants(jaxpr: jex.Jaxpr) -> set:
       >>> from jamp.autocast_regions import constants
       >>> jaxpr = jax.make_jaxpr(lambda x: x + jnp.full(3, -1e30))(jnp.ones(3)).jaxpr
       >>> [e.primitive.name for e in jaxpr.eqns if e.outvars[0] in constants(jaxpr)]
-      ['broadcast_in_dim']
+      ['broadcast_in_dim', 'convert_element_type']
     """
     known = set(jaxpr.constvars)
     for e in jaxpr.eqns:
@@ -215,8 +215,9 @@ def narrow_finite(x: Any, dtype: Any) -> Any:
     Example:
       >>> import jax.numpy as jnp
       >>> from jamp.autocast_regions import narrow_finite
-      >>> narrow_finite(jnp.float32(-1e30), jnp.float16), jnp.float32(-1e30).astype(jnp.float16)
-      (Array(-65504., dtype=float16), Array(-inf, dtype=float16))
+      >>> x = jnp.float32(-1e30)
+      >>> float(narrow_finite(x, jnp.float16)), float(x.astype(jnp.float16))
+      (-65504.0, -inf)
     """
     info = jnp.finfo(dtype)
     lo, hi = np.asarray(info.min, x.dtype), np.asarray(info.max, x.dtype)
@@ -361,11 +362,11 @@ def norm_regions(jaxpr: jex.Jaxpr) -> list[NormRegion]:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jamp.autocast_regions import norm_regions
+      >>> from jamp.autocast_regions import inline, norm_regions
       >>> ln = lambda x, w: (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(
       ...     x.var(-1, keepdims=True) + 1e-5) * w
       >>> closed = jax.make_jaxpr(ln)(jnp.ones((2, 4)), jnp.ones(4))
-      >>> [len(r.inputs) for r in norm_regions(closed.jaxpr)]
+      >>> [len(r.inputs) for r in norm_regions(inline(closed.jaxpr, closed.consts)[0])]
       [1]
     """
     producers, consumers = _graph(jaxpr)
