@@ -537,8 +537,8 @@ def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: R
             norm = plan.norms[i]
             outs = _in_float32(eqn, [x if isinstance(v, jex.Literal) else wide.get(v, x)
                                      for v, x in zip(eqn.invars, invals, strict=True)])
-            back = _narrowest_dtype([env[v].dtype for v in norm.inputs if is_floating(env[v])]
-                                    or [jnp.float32])
+            back = _narrowest_dtype([env[v].dtype for v in norm.inputs
+                                     if v in env and is_floating(env[v])] or [jnp.float32])
             wide.update((v, y) for v, y in zip(eqn.outvars, outs, strict=True)
                         if v in norm.exits)
             outs = [y.astype(back) if v in norm.exits and is_floating(y) else y

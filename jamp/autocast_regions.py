@@ -55,6 +55,7 @@ _SHAPE = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
 _ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "div", "neg", "max", "min",
                           "select_n", "clamp", "stop_gradient"}) | _SHAPE
 _STATISTICS = frozenset({"reduce_sum", "square", "integer_pow"}) | _ELEMENTWISE
+_BELOW = frozenset({"sub", "mul", "div", "square", "integer_pow"})  # x - mean, its square
 _DOTS = frozenset({"dot_general", "conv_general_dilated"})
 
 
@@ -276,8 +277,8 @@ def _statistics(jaxpr: jex.Jaxpr, producers: dict, start: Any, below: bool = Fal
             continue
         eqn = jaxpr.eqns[i]
         name = eqn.primitive.name
-        if name not in _STATISTICS or (depth is not None and name not in _SHAPE and depth >= 4
-                                       and name != "reduce_sum"):
+        if name not in _STATISTICS or (depth is not None and name not in _SHAPE and (
+                depth >= 4 or name not in _BELOW) and name != "reduce_sum"):
             if depth is None and jnp.issubdtype(v.aval.dtype, jnp.floating):
                 return None  # no reduction between the anchor and an input
             leaves.add(v)
