@@ -24,7 +24,10 @@ or ``--coordinator host:port --num_processes N --process_id i``; only process
 Exit status: 0 when the run finished (or had finished before); 2 for a config or
 flag error, a missing dataset, an unusable workdir or checkpoint (one paragraph on
 stderr that names the fix, nothing written); 3 when the loss scale diverged (the
-summary and plot are still written). The Python API behind the command is
+summary and plot are still written); 130 (SIGINT, Ctrl-C) or 143 (SIGTERM, a scheduler's
+preemption notice) when a signal stopped the run: the step in progress is finished and
+checkpointed, one line names the step and the command that resumes there, and a second
+signal exits at once (:mod:`jamp.preemption`). The Python API behind the command is
 :func:`jamp.train.train_and_evaluate`.
 
 Example:
@@ -36,9 +39,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import runpy
+import shlex
+import signal
 import sys
 import textwrap
 import warnings
@@ -53,6 +59,7 @@ from jamp.checkpoint import CheckpointError
 from jamp.config import FIELD_HELP, vit_config
 from jamp.experiment import ConfigError, UnsafeModeWarning
 from jamp.loss_scale import LossScaleDivergedError
+from jamp.preemption import Preempted
 from jamp.train import train_and_evaluate
 
 USER_ERRORS = (ConfigError, data.DatasetNotFoundError, CheckpointError, LossScaleDivergedError)
@@ -87,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
       exit status 0
     """
     argv = list(sys.argv if argv is None else argv)
+    command = resume_command(argv)  # as given (a recipe's name, not its file), to resume
     if any(arg in HELP_ARGS for arg in argv[1:]):
         _print_help(help_text(*_help_config(argv[1:])))
     _define_flags()
@@ -100,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         flags.FLAGS.unparse_flags()
         for name in [n for n in flags.FLAGS if n.startswith("config.")]:
             delattr(flags.FLAGS, name)
-        app.run(_run, argv=argv, flags_parser=_parse_flags)
+        app.run(functools.partial(_run, command=command), argv=argv, flags_parser=_parse_flags)
     finally:
         sys.argv = saved
 
@@ -220,7 +228,20 @@ def _parse_flags(argv: list[str]) -> list[str]:
         _fail(_usage_message(e), 2)
 
 
-def _run(argv: list[str]) -> None:
+def resume_command(argv: list[str]) -> str:
+    """The command line ``argv`` ran, to print: ``jamp.train ...`` or ``python -m jamp.train ...``.
+
+    Example:
+      >>> resume_command(["/venv/bin/jamp.train", "--config", "vit_fp16", "--workdir=runs/a b"])
+      "jamp.train --config vit_fp16 '--workdir=runs/a b'"
+    """
+    program = os.path.basename(argv[0]) if argv else "jamp.train"
+    if program.endswith(".py"):  # python -m jamp.train (or -m jamp.cli)
+        program = f"{shlex.quote(sys.executable)} -m jamp.train"
+    return " ".join([program, *map(shlex.quote, argv[1:])])
+
+
+def _run(argv: list[str], command: str = "jamp.train") -> None:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it renames at INFO
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}: {_FLAGS_FIX}", 2)
@@ -245,6 +266,12 @@ def _run(argv: list[str]) -> None:
             train_and_evaluate(config, workdir)
     except USER_ERRORS as e:
         _fail(e, 3 if isinstance(e, LossScaleDivergedError) else 2)
+    except Preempted as e:  # the checkpoint at e.step is on disk
+        print(f"jamp.train: {e}; resume with: {command}", file=sys.stderr, flush=True)
+        raise SystemExit(e.exit_status) from None
+    except KeyboardInterrupt:  # Ctrl-C before or after the loop (it handles its own)
+        _fail("interrupted by SIGINT outside the training loop; the checkpoints on disk are "
+              f"intact: {command} resumes from the newest.", 128 + signal.SIGINT)
 
 
 def _fail(error: BaseException | str, status: int) -> NoReturn:

@@ -3,7 +3,8 @@
 Builds the experiment once (:mod:`jamp.experiment`), creates the train state sharded
 (or restores it and the data position from the newest checkpoint), then loops: the
 jitted mesh step, metrics every ``log_every_steps``, evaluation every
-``eval_every_epochs``, a checkpoint every ``checkpoint_every_steps``; the run ends
+``eval_every_epochs``, a checkpoint every ``checkpoint_every_steps`` (and one at the
+step where SIGINT or SIGTERM stopped it, :mod:`jamp.preemption`); the run ends
 with ``summary.json`` and ``training.png`` (process 0 writes them,
 :mod:`jamp.run_summary`).
 
@@ -29,7 +30,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import flax.linen as nn
 import jax
@@ -43,6 +44,7 @@ from jamp.checkpoint import Checkpointer
 from jamp.experiment import Config, Experiment, build_experiment, init_state, state_shardings
 from jamp.memory import MemoryReport, memory_report
 from jamp.metrics import MetricsWriter, Throughput, read_metrics
+from jamp.preemption import Preempted, StopOnSignal
 from jamp.run_summary import NonFiniteLossError  # noqa: F401  (jamp.train.NonFiniteLossError)
 from jamp.step import (
     ValueAndGrad,
@@ -146,6 +148,7 @@ class _Run:
     progress: tqdm
     rng: jax.Array
     workdir: str
+    stop: StopOnSignal
     start: int = 0
     diverged_at: int | None = None  # the step the divergence guard stopped the run at
     non_finite_at: int | None = None  # first step whose loss was NaN/inf (no loss scale)
@@ -177,6 +180,9 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
         (outcome ``"diverged"``, the step, the loss-scale history) and the plot are
         written first. Its subclass :class:`NonFiniteLossError`: the loss went NaN/inf
         in a mode without loss scaling (``non_finite_at_step`` in the summary).
+      Preempted: SIGINT or SIGTERM arrived during the loop: the step in progress was
+        finished and checkpointed (every process stops at the same step); rerunning
+        resumes there. A second signal exits the process at once (status 128 + signum).
 
     Example: ``train_and_evaluate(vit_config("fp16"), "runs/vit_fp16")["test_accuracy"]``
     trains the embedded digits (about a minute on 2 CPU cores); the notebook
@@ -190,7 +196,8 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
     with jax.set_mesh(exp.mesh):
         run, state = _start(exp, workdir)
     try:
-        with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+        with (jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES),
+              run.stop):  # SIGINT/SIGTERM: stop after the step (jamp.preemption)
             memory = step_memory_report(exp, state)
             state, last_eval, rates = _loop(run, state)
             if run.diverged_at is None:
@@ -233,7 +240,7 @@ def _start(exp: Experiment, workdir: str) -> tuple[_Run, train_state.TrainState]
                MetricsWriter(workdir, enabled=is_main, resume_step=start),
                tqdm(total=exp.total_steps, initial=start, unit="step", dynamic_ncols=True,
                     file=sys.stderr, mininterval=0.5, disable=not (is_main and c.progress)),
-               rng, workdir, start)
+               rng, workdir, StopOnSignal(exp.mesh), start)
     return run, (init_state(exp, rng, shardings) if state is None else state)
 
 
@@ -266,7 +273,21 @@ def _loop(run: _Run, state: train_state.TrainState
             run.writer.write(done, {**last_eval, "epoch": epoch})
         if done % config.checkpoint_every_steps == 0:
             run.ckpt.save(done, state, run.iterator, exp.meta)
+        if run.stop.should_stop():  # SIGINT/SIGTERM: this step's metrics and checkpoint
+            if pending:
+                _log(run, done, jax.device_get(pending), throughput.lap())
+            if run.diverged_at is None:
+                _stop(run, done, state)
+            break
     return state, last_eval, throughput.rates
+
+
+def _stop(run: _Run, done: int, state: train_state.TrainState) -> NoReturn:
+    """Saves the checkpoint at ``done`` (as a periodic one) and raises :class:`Preempted`."""
+    if run.ckpt.latest_step() != done:
+        run.ckpt.save(done, state, run.iterator, run.exp.meta, force=True)
+    run.ckpt.wait()  # still under the signal handlers: a second signal exits at once
+    raise Preempted(done, run.stop.signum, run.ckpt.directory)
 
 
 def _log(run: _Run, done: int, fetched: list[dict[str, Any]], rate: float | None) -> None:
