@@ -44,12 +44,12 @@ named in ``Fp8Recipe.keep_bf16`` (the ``head``), layers under an override, raw
 ``jnp.einsum``/``@`` on parameters in user code.
 
 Example:
-  >>> import jax, jax.numpy as jnp, jamp
-  >>> x = jnp.ones((4, 8), jnp.bfloat16); w = jnp.full((8, 2), 0.5, jnp.bfloat16)
-  >>> y = jax.jit(jamp.fp8.current_scaling_dot_general, static_argnums=2)(
-  ...     x, w, (((1,), (0,)), ((), ())))
-  >>> y.dtype, float(y[0, 0])
-  (dtype(bfloat16), 4.0)
+  >>> import jamp
+  >>> recipe = jamp.mixed_precision("fp8").fp8           # what mode "fp8" runs
+  >>> type(recipe.strategy).__name__, recipe.applies_to("head"), recipe.applies_to("fc1")
+  ('DelayedScaling', False, True)
+  >>> type(jamp.fp8.Fp8Recipe("current").strategy).__name__
+  'CurrentScaling'
 """
 
 from jamp.fp8.linen import (

@@ -10,8 +10,7 @@ runs the forward pass inside :func:`nnx_max_combined` and commits each applied
 step with :func:`nnx_commit`.
 
 Example:
-  >>> import jax.numpy as jnp, jamp
-  >>> from flax import nnx
+  >>> import jax.numpy as jnp, jamp; from flax import nnx
   >>> layer = nnx.Linear(3, 2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   >>> jamp.fp8.nnx_install(layer, jamp.fp8.Fp8Recipe("delayed", amax_history_length=4))
   True
