@@ -86,7 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
-from jamp import attention
+from jamp import accumulate, attention
 from jamp import autocast_regions as regions
 from jamp.policy import MixedPrecision, PolicyLike, to_mixed_precision
 
@@ -164,6 +164,8 @@ class Rules:
       softmax: run softmax/log-softmax of half-precision logits in float32.
       float32_ops: run exp/log/pow/sqrt/sums of half-precision values in float32.
       cast_inputs: evaluate on floating inputs cast to the compute dtype.
+      float32_sums: accumulate every sum of half-precision values in float32, forward
+        and backward (:mod:`jamp.accumulate`: broadcasts, sums, gathers...).
       fp8: the recipe's :class:`jamp.fp8.Fp8Recipe` or ``None``; with ``cast_dots``,
         current scaling runs every ``dot_general`` without batch dimensions as
         :func:`jamp.fp8.current_scaling_dot_general`, and delayed scaling is refused
@@ -177,6 +179,7 @@ class Rules:
     float32_ops: bool = True
     cast_inputs: bool = False
     fp8: Fp8Recipe | None = None
+    float32_sums: bool = True
 
     @classmethod
     def for_recipe(cls, mp: MixedPrecision) -> Rules:
@@ -192,7 +195,8 @@ class Rules:
         """
         half = jnp.dtype(mp.policy.compute_dtype) in _HALF
         return cls(mp.policy.compute_dtype, softmax=mp.softmax_fp32 and half,
-                   float32_ops=mp.softmax_fp32 and half, fp8=mp.fp8)
+                   float32_ops=mp.softmax_fp32 and half, fp8=mp.fp8,
+                   float32_sums=mp.softmax_fp32 and half)
 
 
 def _check_fp8(recipe: Fp8Recipe | None) -> None:
@@ -475,6 +479,12 @@ def _apply(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
         return _convert(eqn, invals)
     if rules.cast_dots and name in _DOTS:
         return _dot(eqn, invals, rules)
+    if rules.float32_sums:  # before differentiation: the sums autodiff writes too
+        invals = accumulate.broadcast_operands(eqn, invals)
+        out = accumulate.in_float32(eqn, _narrowest(invals), _bind) if (
+            name in accumulate.LINEAR) else None
+        if out is not None:
+            return out
     if rules.float32_ops and name in _FLOAT32:
         return _float32(eqn, invals)
     if name in _POLYMORPHIC or name in _FLOAT32:

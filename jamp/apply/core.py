@@ -40,18 +40,22 @@ __all__ = ["NORMS", "cast_floating", "computes_in_float32", "fp8_recipe_for", "i
 
 
 def softmax_rules(mp: MixedPrecision) -> Rules | None:
-    """The rules of a policied model's call: only softmax, and only where it runs in float32.
+    """The rules of a policied model's call: float32 softmax and float32 sums, where set.
 
-    Dots follow the layers' dtypes and the parameters' reads, so the rewrite
-    casts no dot operands and runs no other op in float32; ``None`` where the
-    recipe's softmax does not run in float32 (nothing to rewrite).
+    In the modes whose softmax runs in float32 (the mixed and fp8 modes), every
+    softmax of half-precision logits runs in float32 and every sum of
+    half-precision values accumulates in float32, forward and backward
+    (:mod:`jamp.accumulate`). Dots follow the layers' dtypes and the parameters'
+    reads, so the rewrite casts no dot operands and runs no other op in float32;
+    ``None`` where the recipe's softmax does not run in float32 (the pure modes:
+    nothing to rewrite).
 
     Example:
       >>> import jamp
       >>> from jamp.apply.core import softmax_rules
-      >>> softmax_rules(jamp.mixed_precision("bf16")).cast_dots, softmax_rules(
-      ...     jamp.mixed_precision("bf16_pure"))
-      (False, None)
+      >>> rules = softmax_rules(jamp.mixed_precision("bf16"))
+      >>> rules.cast_dots, rules.float32_sums, softmax_rules(jamp.mixed_precision("bf16_pure"))
+      (False, True, None)
     """
     rules = Rules.for_recipe(mp)
     if not rules.softmax:
