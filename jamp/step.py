@@ -229,7 +229,7 @@ def train_step(
         :func:`single_device_value_and_grad`, takes the whole batch at once; on a
         mesh pass :func:`jamp.parallel.step.value_and_grad`, which
         differentiates each 'data' shard's share and all-reduces the gradients in
-        each parameter's dtype.
+        float32 (cast to each parameter's dtype).
 
     A :class:`TrainState` subclass (such as :class:`jamp.fp8.TrainState`, whose
     delayed-scaling fp8 state the forward pass reads) names further variables

@@ -1,7 +1,7 @@
 """Device meshes, logical axis rules, data/tensor/pipeline parallel training, multi-host launch.
 
 - :mod:`~jamp.parallel.mesh`: the ('data', 'model', 'pipe') mesh and logical axis rules;
-- :mod:`~jamp.parallel.data_parallel`: gradients all-reduced in each parameter's dtype;
+- :mod:`~jamp.parallel.data_parallel`: gradients all-reduced in float32;
 - :mod:`~jamp.parallel.pipeline`: the GPipe schedule over 'pipe' (``jax.shard_map``);
 - :mod:`~jamp.parallel.step`: the train step's gradient function that combines them;
 - :mod:`~jamp.parallel.launch`: ``jax.distributed`` from flags, SLURM, Open MPI or torchrun.

@@ -11,17 +11,19 @@ differentiates its own part of the batch, and the parameters are marked
 varying over 'data' (``jax.lax.pcast(..., to='varying')``) *in their storage
 dtype*, so the transpose of that cast, a ``psum``, sums float32 gradients of
 float32 parameters (one fused all-reduce per step). Half-precision parameters
-(``fp16_naive``, ``fp16_pure``) are reduced in half precision, like their
-gradients; on XLA:CPU, bfloat16 ones (``bf16_pure``) in float32, and so are
-bfloat16 losses and aux values (its AllReducePromotion pass aborts on a
-bfloat16 all-reduce inside a partly manual ``shard_map``: "Invalid binary
-instruction opcode copy"). Each shard differentiates its *share* of the global mean loss (its
-local mean divided by the number of shards), so every example's cotangent is
-the one a single device would compute and the half-precision weight-gradient
-sums cover only the shard's examples: a sum that overflows float16 on one
-device usually fits per shard, and the float32 all-reduce completes it (so the
-loss scale backs off less often than on one device; it can differ when
-partial sums cancel).
+(``fp16_naive``, ``fp16_pure``, ``bf16_pure``) are marked varying as float32
+copies, so their gradients are all-reduced in float32 too and cast back to the
+parameter's dtype (float32 accumulation, :mod:`jamp.accumulate`), and so are
+half-precision losses and aux values (bfloat16 would not even compile on
+XLA:CPU: its AllReducePromotion pass aborts on a bfloat16 all-reduce inside a
+partly manual ``shard_map``: "Invalid binary instruction opcode copy"). Each
+shard differentiates its *share* of the global mean loss (its local mean
+divided by the number of shards), so every example's cotangent is the one a
+single device would compute and the half-precision weight-gradient sums cover
+only the shard's examples: a sum that overflows float16 on one device usually
+fits per shard, and the float32 all-reduce completes it (so the loss scale
+backs off less often than on one device; it can differ when partial sums
+cancel).
 
 Only 'data' is manual: the other mesh axes ('model', 'pipe') stay automatic,
 so tensor-parallel layers and the pipeline inside the model work unchanged.
@@ -113,16 +115,17 @@ def _axis_size(axis_name: str) -> int:
     return 1 if mesh.empty else dict(mesh.shape).get(axis_name, 1)
 
 
-def _cpu_bfloat16(x: jax.Array) -> bool:
-    """XLA:CPU cannot all-reduce this in a partly manual ``shard_map`` (module docstring)."""
-    return x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+def _half(x: jax.Array) -> bool:
+    """A half-precision value: all-reduced in float32 (float32 accumulation; XLA:CPU cannot
+    all-reduce bfloat16 in a partly manual ``shard_map`` at all, module docstring)."""
+    return x.dtype in (jnp.float16, jnp.bfloat16)
 
 
 def _mark_varying(params: Any, axis_name: str) -> Any:
     """``params`` marked varying over ``axis_name``: the transpose is the gradient psum."""
 
     def one(p):
-        if _cpu_bfloat16(p):  # the psum in float32, the gradient in bfloat16
+        if _half(p):  # the psum in float32, the gradient in the parameter's dtype
             return jax.lax.pcast(p.astype(jnp.float32), axis_name, to="varying").astype(p.dtype)
         return jax.lax.pcast(p, axis_name, to="varying")
 
@@ -130,10 +133,10 @@ def _mark_varying(params: Any, axis_name: str) -> Any:
 
 
 def _reduce(reduce: Callable, tree: Any, axis_name: str) -> Any:
-    """``reduce(leaf, axis_name)`` per leaf; bfloat16 leaves in float32 on XLA:CPU."""
+    """``reduce(leaf, axis_name)`` per leaf; half-precision leaves in float32."""
 
     def one(x):
-        if _cpu_bfloat16(x):
+        if _half(x):
             return reduce(x.astype(jnp.float32), axis_name).astype(x.dtype)
         return reduce(x, axis_name)
 
@@ -167,7 +170,8 @@ def value_and_grad(
     ``fun(params, batch, *args) -> (value, aux)`` must return the *mean* over the
     examples it is given of the loss and of every ``aux`` leaf (scalars): each
     shard evaluates it on its slice of ``batch`` and the results are averaged
-    across shards, the gradients with one ``psum`` in each parameter's dtype.
+    across shards, the gradients with one ``psum`` in float32 (cast back to each
+    parameter's dtype).
     ``args`` (e.g. a dropout key) are the same on every shard. Runs under a mesh
     (``jax.set_mesh``) that has ``axis_name``; Flax logical constraints inside
     ``fun`` keep working (manual axes are dropped from the rules in force).
@@ -204,7 +208,7 @@ def value_and_grad(
         shards = jax.lax.axis_size(axis_name)
 
         def shard_loss(p):
-            # The psum that transposes this cast runs in each parameter's dtype.
+            # The psum that transposes this cast runs in float32 (half parameters too).
             p = _mark_varying(p, axis_name)
             with nn.logical_axis_rules(rules):
                 value, aux = fun(p, batch, *args)

@@ -145,13 +145,15 @@ def _varying_axes(x: jax.Array) -> frozenset[str]:
 
 
 def _wide(x: jax.Array) -> jax.Array:
-    """``x`` in float32 if bfloat16: for the schedule's two all-reduces (forward and backward).
+    """``x`` in float32 if half precision: for the schedule's two all-reduces (forward and
+    backward), which accumulate in float32 like every sum of the step (:mod:`jamp.accumulate`).
 
-    XLA:CPU aborts compiling a bfloat16 all-reduce inside a partly manual
-    ``shard_map`` (its AllReducePromotion pass: "Invalid binary instruction opcode
-    copy"). Both all-reduces add one stage's values to zeros, exact in any dtype.
+    Both add one stage's values to zeros, exact in any dtype; bfloat16 would not
+    even compile: XLA:CPU aborts compiling a bfloat16 all-reduce inside a partly
+    manual ``shard_map`` (its AllReducePromotion pass: "Invalid binary instruction
+    opcode copy").
     """
-    return x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
+    return x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
 
 
 def pipelined(stage_fn: StageFn, layer_params: Any, x: jax.Array, *, stages: int,

@@ -5,7 +5,7 @@ it is given; :func:`value_and_grad` builds the one for a mesh, for ``jax.jit``
 under ``jax.set_mesh(mesh)`` and ``nn.logical_axis_rules(LOGICAL_AXIS_RULES)``:
 
 - data: each 'data' shard differentiates its slice of the batch and the
-  gradients are all-reduced in each parameter's dtype
+  gradients are all-reduced in float32 (half-precision parameters' too)
   (:func:`jamp.parallel.data_parallel.value_and_grad`);
 - tensor: the ViT's heads and MLP hidden units are split over 'model' by the
   logical axis rules (Megatron), the partitioner inserts the collectives;
@@ -54,7 +54,7 @@ def value_and_grad(param_specs: Any = None, *, pipelined: bool = False) -> Value
 
     Each 'data' shard differentiates its share of the batch's mean loss with its
     own dropout key (the step's key folded with the shard index); the gradients
-    are summed over 'data' in each parameter's dtype.
+    are summed over 'data' in float32 and cast to each parameter's dtype.
 
     Args:
       param_specs: the parameters' mesh ``PartitionSpec`` pytree (e.g. from the
