@@ -14,7 +14,7 @@ evaluates, before anything is differentiated:
 - a *linear* op on half-precision operands whose own evaluation or whose
   transpose accumulates (:data:`LINEAR`: broadcasts, sums, cumulative and
   windowed sums, ``tile``, gathers, whose transpose is a scatter-add, and
-  ``psum``) runs on float32 copies of its operands and casts its result back:
+  ``psum``/``psum_scatter``) runs on float32 copies of its operands and casts its result back:
   the values are the same (the casts are exact), the forward sums accumulate in
   float32 and the transpose of the whole is ``convert -> float32 op -> convert``;
 - ``reduce_max``/``reduce_min`` (whose JVP counts the maxima with a sum) run
@@ -52,7 +52,8 @@ __all__ = ["ELEMENTWISE", "LINEAR", "broadcast_operands", "in_float32"]
 HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 LINEAR = frozenset({"broadcast_in_dim", "reduce_sum", "cumsum", "reduce_window_sum", "tile",
-                    "gather", "psum", "reduce_max", "reduce_min"})
+                    "gather", "psum", "psum_invariant", "reduce_scatter", "reduce_max",
+                    "reduce_min"})
 """Ops that run on float32 copies of half-precision operands (they or their transposes sum)."""
 
 ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "div", "rem", "max", "min", "pow",
