@@ -45,7 +45,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = ["ELEMENTWISE", "LINEAR", "broadcast_operands", "in_float32"]
 
@@ -124,9 +123,9 @@ def broadcast_operands(eqn: Any, invals: Sequence[Any]) -> list:
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from jamp.accumulate import broadcast_operands
-      >>> eqn = jax.make_jaxpr(lambda x, s: x * s)(jnp.ones(3), 2.0).eqns[0]
-      >>> [x.shape for x in broadcast_operands(eqn, [jnp.ones(3, jnp.float16),
-      ...                                            jnp.float16(2)])]
+      >>> eqn = jax.make_jaxpr(lambda x, s: x * s)(jnp.ones(3), jnp.ones(())).eqns[0]
+      >>> half = jnp.ones(3, jnp.float16), jnp.asarray(2, jnp.float16)
+      >>> [x.shape for x in broadcast_operands(eqn, half)]
       [(3,), (3,)]
     """
     if eqn.primitive.name not in ELEMENTWISE or len(eqn.outvars) != 1:
@@ -137,4 +136,4 @@ def broadcast_operands(eqn: Any, invals: Sequence[Any]) -> list:
     if narrow is None or jnp.dtype(narrow) not in HALF:
         return list(invals)
     return [_broadcast(x, shape) if isinstance(x, jax.Array) and _floating(x)
-            and not isinstance(x, np.ndarray) and x.shape != shape else x for x in invals]
+            and x.shape != shape else x for x in invals]
