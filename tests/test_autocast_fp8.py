@@ -95,11 +95,17 @@ def mlp(p, x):
     return h @ p["w2"] + p["b2"]
 
 
+def _add_bias(h, b):
+    """``h + b`` with the bias gradient summed in float32, as autocast sums (jamp.accumulate)."""
+    return h + jnp.broadcast_to(b.astype(jnp.float32), h.shape).astype(h.dtype)
+
+
 def mlp_by_hand(p, x):
     """The same MLP with the fp8 matmul written out, on bf16 copies, returning float32."""
     p, x = cast_floating((p, x), jnp.bfloat16)
-    h = jnp.tanh(current_scaling_dot_general(x, p["w1"], DENSE) + p["b1"])
-    return (current_scaling_dot_general(h, p["w2"], DENSE) + p["b2"]).astype(jnp.float32)
+    h = jnp.tanh(_add_bias(current_scaling_dot_general(x, p["w1"], DENSE), p["b1"]))
+    return _add_bias(current_scaling_dot_general(h, p["w2"], DENSE), p["b2"]).astype(
+        jnp.float32)
 
 
 MLP = {"w1": _normal(10, (16, 32), 0.25), "b1": _normal(11, (32,), 0.1),
