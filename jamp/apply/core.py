@@ -27,13 +27,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 
 from jamp.autocast import Rules, cast_floating, is_floating
-from jamp.fp8 import Fp8Recipe
 from jamp.policy import NORMS, MixedPrecision, Policy
+
+if TYPE_CHECKING:  # the recipe comes from the MixedPrecision; only its type is named here
+    from jamp.fp8 import Fp8Recipe
 
 __all__ = ["NORMS", "cast_floating", "computes_in_float32", "fp8_recipe_for", "is_floating",
            "softmax_rules"]
