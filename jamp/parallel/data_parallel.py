@@ -52,6 +52,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -61,7 +62,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-DATA = "data"
+from jamp.parallel import zero
+
+DATA = zero.DATA
 """The mesh axis the batch is split over."""
 
 
@@ -164,6 +167,7 @@ def value_and_grad(
     axis_name: str = DATA,
     manual_axes: tuple[str, ...] = (),
     param_specs: Any = None,
+    plan: zero.Plan | None = None,
 ) -> Callable[..., tuple[tuple[jax.Array, Any], Any]]:
     """``jax.value_and_grad(fun, has_aux=True)`` for a batch split over ``axis_name``.
 
@@ -189,6 +193,13 @@ def value_and_grad(
         over them as ``param_specs`` say; the batch is replicated over them.
       param_specs: the parameters' mesh ``PartitionSpec`` pytree (e.g. from the
         logical axis rules); only its ``manual_axes`` entries are used.
+      plan: a ZeRO stage (:class:`jamp.parallel.zero.Plan`). Stage 2 returns each
+        gradient reduce-scattered in float32 over ``axis_name`` along
+        ``plan.dims``; stage 3 also takes each parameter split there (this shard's
+        block), gathers it in its ``plan.read_dtypes`` entry before ``fun`` runs
+        (or, under ``plan.per_layer``, inside the model's
+        :class:`~jamp.parallel.zero.GatherPerLayer` runner) and returns its
+        gradient split the same way. Stages 0 and 1 change nothing here.
 
     Returns:
       ``f(params, batch, *args) -> ((value, aux), grads)``; ``grads`` are
@@ -202,21 +213,32 @@ def value_and_grad(
     manual = {axis_name, *manual_axes}
     if manual_axes and param_specs is None:
         raise ValueError(f"manual_axes={manual_axes} needs the parameters' param_specs.")
+    stage = 0 if plan is None else plan.stage
 
     def local(params, batch, *args):
         rules = manual_rules(nn.get_logical_axis_rules(), manual)
         shards = jax.lax.axis_size(axis_name)
+        dims = _leafwise(plan.dims if stage >= 2 else None, params)
+        dtypes = _leafwise(plan.read_dtypes if stage == 3 else None, params)
+        later = zero.subtree(plan.dims, plan.per_layer) if stage == 3 else None
 
         def shard_loss(p):
-            # The psum that transposes this cast runs in float32 (half parameters too).
-            p = _mark_varying(p, axis_name)
-            with nn.logical_axis_rules(rules):
+            if stage < 2:  # the psum that transposes this cast runs in float32
+                p = _mark_varying(p, axis_name)
+            elif stage == 3:  # this shard's blocks: gathered (backward: reduce-scatter)
+                p = _gather_blocks(p, dims, dtypes, plan.per_layer, axis_name)
+            with nn.logical_axis_rules(rules), _layer_gathers(plan, later, dtypes, axis_name):
                 value, aux = fun(p, batch, *args)
             # This shard's share of the global mean: every example's cotangent, and so
             # every half-precision partial sum, is what one device would compute.
             return value / shards, aux
 
+        if stage == 2:  # differentiate this shard's own copy: no automatic psum
+            params = jax.tree_util.tree_map(
+                lambda x: jax.lax.pcast(x, axis_name, to="varying"), params)
         (share, aux), grads = jax.value_and_grad(shard_loss, has_aux=True)(params)
+        if stage == 2:
+            grads = _reduce_scatter(grads, dims, axis_name)
         return ((_reduce(jax.lax.psum, share, axis_name),
                  _reduce(jax.lax.pmean, aux, axis_name)), grads)
 
@@ -230,8 +252,95 @@ def value_and_grad(
             specs = jax.tree_util.tree_map(
                 lambda s: _restrict(s, set(manual_axes), axis_name), param_specs,
                 is_leaf=lambda s: isinstance(s, P))
+        param_in, grad_out = specs, specs
+        if stage >= 2:
+            if not manual_axes:
+                specs = jax.tree_util.tree_map(lambda _: P(), params)
+            split = jax.tree_util.tree_map(
+                lambda s, d, x: zero.with_data(s, d, jnp.ndim(x)), specs,
+                _leafwise(plan.dims, params), params, is_leaf=lambda s: isinstance(s, P))
+            grad_out = split
+            param_in = split if stage == 3 else specs
         return jax.shard_map(
-            local, in_specs=(specs, P(axis_name), *(P() for _ in args)),
-            out_specs=((P(), P()), specs), axis_names=manual)(params, batch, *args)
+            local, in_specs=(param_in, P(axis_name), *(P() for _ in args)),
+            out_specs=((P(), P()), grad_out), axis_names=manual)(params, batch, *args)
 
     return wrapped
+
+
+def _leafwise(tree: Any, like: Any) -> Any:
+    """``tree`` (a per-leaf tree of ints/dtypes with None leaves, or None) flattened up to
+    ``like``'s structure: a tree like ``like`` whose leaves may be None."""
+    treedef = jax.tree_util.tree_structure(like)
+    if tree is None:
+        return jax.tree_util.tree_unflatten(treedef, [None] * treedef.num_leaves)
+    try:
+        leaves = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"The ZeRO plan's per-leaf tree does not match the parameters: {e}"
+                         ) from None
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _map(f: Callable, tree: Any, *rest: Any) -> Any:
+    """``tree_map`` over ``tree``'s leaves with ``rest`` flattened up to it (None leaves)."""
+    treedef = jax.tree_util.tree_structure(tree)
+    columns = [treedef.flatten_up_to(r) for r in rest]
+    leaves = jax.tree_util.tree_leaves(tree)
+    return jax.tree_util.tree_unflatten(treedef, [f(*xs) for xs in zip(leaves, *columns,
+                                                                         strict=True)])
+
+
+def _gather_blocks(params: Any, dims: Any, dtypes: Any, per_layer: tuple[Any, ...] | None,
+                   axis_name: str) -> Any:
+    """Stage 3: every split leaf gathered in its read dtype, except those under
+    ``per_layer`` (their runner gathers them layer by layer); replicated leaves marked
+    varying in float32 (their gradient is a float32 psum)."""
+    later = _per_layer_mask(params, per_layer)
+
+    def one(p, d, t, deferred):
+        if d is None:
+            return _mark_varying(p, axis_name)
+        return p if deferred else zero.gather(p, d, t, axis_name)
+
+    return _map(one, params, dims, dtypes, later)
+
+
+def _per_layer_mask(params: Any, per_layer: tuple[Any, ...] | None) -> Any:
+    """True for the leaves of ``params`` under the ``per_layer`` path."""
+    def under(path, _):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+        return per_layer is not None and _has_prefix(keys, per_layer)
+
+    return jax.tree_util.tree_map_with_path(under, params)
+
+
+def _has_prefix(keys: tuple[Any, ...], prefix: tuple[Any, ...]) -> bool:
+    return keys[:len(prefix)] == tuple(prefix)
+
+
+@contextlib.contextmanager
+def _layer_gathers(plan: zero.Plan | None, dims: Any, dtypes: Any, axis_name: str):
+    """Stage 3 with ``plan.per_layer``: the model's GatherPerLayer gathers those layers."""
+    if plan is None or plan.stage != 3 or plan.per_layer is None:
+        yield
+        return
+    layer_dtypes = zero.subtree(plan.read_dtypes, plan.per_layer)
+    if dims is None:
+        raise ValueError(f"Plan.per_layer={plan.per_layer} names no subtree of Plan.dims.")
+    with zero.gathering_layers(dims, layer_dtypes, axis_name):
+        yield
+
+
+def _reduce_scatter(grads: Any, dims: Any, axis_name: str) -> Any:
+    """Stage 2: each shard's gradient summed in float32 and split along its dim (psum
+    where the leaf is replicated), cast to the gradient's dtype."""
+
+    def one(g, d):
+        wide = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+        if d is None:
+            return jax.lax.psum(wide, axis_name).astype(g.dtype)
+        return jax.lax.psum_scatter(wide, axis_name, scatter_dimension=d,
+                                    tiled=True).astype(g.dtype)
+
+    return _map(one, grads, dims)
