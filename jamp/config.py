@@ -132,6 +132,10 @@ FIELDS: dict[str, Field] = {
     "mesh.pipe": Field(1, "devices on the 'pipe' axis (pipeline stages; -1: the rest)"),
     "pipeline_microbatches": Field(4, "microbatches per step when mesh.pipe > 1 (>= 1)",
                                    _at_least(1, "4")),
+    "zero_stage": Field(0, "ZeRO stage over the 'data' axis: 0 none, 1 optimizer state and "
+                        "master copy split, 2 + gradients (float32 reduce-scatter), 3 + "
+                        "parameters (FSDP: gathered per layer in the compute dtype)",
+                        Limit(lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3", "1")),
     "fp8_amax_history_length": Field(int, "mode fp8 (delayed scaling): steps of amax history "
                                      "per tensor (>= 1; None: 1024, Transformer Engine's "
                                      "default)", _at_least(1, "1024", " (or None: 1024)")),

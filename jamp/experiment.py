@@ -50,9 +50,10 @@ from jamp.apply import apply_policy
 from jamp.config import FIELDS
 from jamp.models import vit, vit_nnx
 from jamp.models.sizes import vit_dims
+from jamp.parallel import zero
 from jamp.parallel.pipeline import GPipe
 from jamp.policy import MixedPrecision, mixed_precision
-from jamp.step import make_optimizer
+from jamp.step import differentiated_variables, make_optimizer
 
 Config = ml_collections.ConfigDict
 
@@ -333,6 +334,11 @@ def _check_model(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None
                 f"{name}={dims[name]} cannot be split over the {tp} devices of the mesh's "
                 f"'model' axis (tensor parallelism shards it): change --config.{name} or "
                 "--config.mesh.model.")
+    if config.get("zero_stage", 0) == 3 and not config.scan_layers:
+        raise ConfigError(
+            "--config.zero_stage=3 gathers each layer's parameters inside the scanned encoder "
+            "(FSDP): set --config.scan_layers=True, or use --config.zero_stage=2 (parameters "
+            "whole on every device).")
     if pipeline and not config.scan_layers:
         raise ConfigError(
             f"--config.mesh.pipe={pipeline.stages} needs --config.scan_layers=True: the "
@@ -369,9 +375,12 @@ def build_experiment(config: Config, workdir: str | None = None) -> Experiment:
         pipeline = dataclasses.replace(pipeline, on_tick=mp.fp8.strategy.pipeline_hook())
     validate_config(config, mesh, pipeline, workdir)
     info = data.get_dataset_info(config.dataset, config.data_dir)
+    runner = pipeline  # ZeRO-3: each layer's parameters gathered inside the scan
+    if config.zero_stage == 3:
+        runner = zero.GatherPerLayer(inner=pipeline)
     module = vit.create(config.model, num_classes=info.num_classes, patch_size=config.patch_size,
                         dropout_rate=config.dropout_rate, remat=config.remat,
-                        scan_layers=config.scan_layers, layer_runner=pipeline,
+                        scan_layers=config.scan_layers, layer_runner=runner,
                         **model_dims(config))
     steps_per_epoch = data.steps_per_epoch(info, config.batch_size)
     total_steps = steps_per_epoch * config.num_epochs
@@ -440,6 +449,7 @@ def state_shardings(exp: Experiment, rng: jax.Array) -> tuple[Any, Any]:
     boxed = jax.eval_shape(lambda r: _create_state(exp, r), rng)
     specs = nn.get_partition_spec(boxed)
     shardings = nn.logical_to_mesh_sharding(specs, exp.mesh, parallel.LOGICAL_AXIS_RULES)
+    shardings = zero.state_shardings(shardings, nn.unbox(boxed), exp.config.zero_stage)
     abstract = jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         nn.unbox(boxed), shardings)
@@ -452,3 +462,40 @@ def init_state(exp: Experiment, rng: jax.Array, shardings: Any) -> train_state.T
     Example: see the module docstring.
     """
     return jax.jit(lambda r: nn.unbox(_create_state(exp, r)), out_shardings=shardings)(rng)
+
+
+def zero_plan(exp: Experiment, abstract: Any) -> zero.Plan:
+    """What the step does for ``config.zero_stage`` (:class:`jamp.parallel.zero.Plan`).
+
+    ``abstract`` is the state from :func:`state_shardings`: each parameter's split
+    dimension (stage 2 reduce-scatters its gradient there, stage 3 stores it split
+    there), the dtype the model reads each parameter in (stage 3 gathers in it), and
+    the scanned encoder layers (stage 3 gathers them one at a time).
+
+    Example: see the module docstring (``jamp.train.jit_train_step`` builds the step with it).
+    """
+    stage = exp.config.zero_stage
+    params = abstract.params
+    specs = jax.tree_util.tree_map(lambda a: zero.without_data(a.sharding.spec), params)
+    dims = zero.split_dims(params, specs, exp.mesh.shape["data"])
+    read = _read_dtypes(exp, abstract) if stage == 3 else None
+    per_layer = ("encoder", "layers") if exp.config.scan_layers else None
+    extras = differentiated_variables(abstract)  # e.g. the fp8 state: never split
+    if extras:  # jamp.train_step differentiates (params, extras)
+        nothing = jax.tree_util.tree_map(lambda _: None, extras)
+        dims, read = (dims, nothing), (read, nothing) if read is not None else None
+        per_layer = None if per_layer is None else (0, *per_layer)
+    return zero.Plan(stage, dims, read, per_layer)
+
+
+def _read_dtypes(exp: Experiment, abstract: Any) -> Any:
+    """The dtype the model reads each parameter in (stage 3 gathers it in that dtype)."""
+    compute = exp.precision.policy.compute_dtype
+
+    def one(path, x):
+        name = getattr(path[-1], "key", None)
+        if name in ("kernel", "embedding") and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.dtype(compute)
+        return jnp.dtype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, abstract.params)

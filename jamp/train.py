@@ -41,9 +41,17 @@ from tqdm import tqdm
 
 from jamp import data, parallel, run_summary
 from jamp.checkpoint import Checkpointer
-from jamp.experiment import Config, Experiment, build_experiment, init_state, state_shardings
+from jamp.experiment import (
+    Config,
+    Experiment,
+    build_experiment,
+    init_state,
+    state_shardings,
+    zero_plan,
+)
 from jamp.memory import MemoryReport, memory_report
 from jamp.metrics import MetricsWriter, Throughput, read_metrics
+from jamp.parallel import zero
 from jamp.preemption import Preempted, StopOnSignal
 from jamp.run_summary import NonFiniteLossError  # noqa: F401  (jamp.train.NonFiniteLossError)
 from jamp.step import (
@@ -57,28 +65,38 @@ from jamp.step import (
 # ----------------------------------------------------------------------------- the step
 
 
-def mesh_value_and_grad(exp: Experiment, shardings: Any) -> ValueAndGrad:
-    """The gradient function of the train step on ``exp.mesh`` (:mod:`jamp.parallel.step`).
+def mesh_value_and_grad(exp: Experiment, shardings: Any, plan: zero.Plan | None = None
+                        ) -> ValueAndGrad:
+    """The gradient function of the train step on ``exp.mesh`` (:mod:`jamp.parallel.step`);
+    ``plan``: the ZeRO stage's (:func:`jamp.experiment.zero_plan`).
 
     Example: see the module docstring (:func:`jit_train_step` steps with it).
     """
-    spec = lambda tree: jax.tree_util.tree_map(lambda s: s.spec, tree)
+    spec = lambda tree: jax.tree_util.tree_map(lambda s: zero.without_data(s.spec), tree)
     param_specs = spec(shardings.params)
     extras = differentiated_variables(shardings)  # e.g. the fp8 state, beside the params
     if extras:  # jamp.train_step differentiates (params, extras)
         param_specs = (param_specs, spec(extras))
-    return parallel.step.value_and_grad(param_specs, pipelined=exp.pipeline is not None)
+    return parallel.step.value_and_grad(param_specs, pipelined=exp.pipeline is not None,
+                                        plan=plan)
 
 
-def jit_train_step(exp: Experiment, shardings: Any) -> Callable:
+def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None) -> Callable:
     """``step(state, batch, rng) -> (state, metrics)``: the jitted data/tensor/pipeline step.
 
     Call it under ``jax.set_mesh(exp.mesh)`` and ``nn.logical_axis_rules(
-    parallel.LOGICAL_AXIS_RULES)``; the state argument is donated.
+    parallel.LOGICAL_AXIS_RULES)``; the state argument is donated. ``abstract`` is the
+    state :func:`~jamp.experiment.state_shardings` returned with ``shardings`` (needed
+    for ``config.zero_stage`` > 0; built again when not given).
 
     Example: see the module docstring.
     """
-    value_and_grad = mesh_value_and_grad(exp, shardings)
+    plan = None
+    if exp.config.zero_stage:
+        if abstract is None:
+            abstract, _ = state_shardings(exp, jax.random.key(exp.config.seed))
+        plan = zero_plan(exp, abstract)
+    value_and_grad = mesh_value_and_grad(exp, shardings, plan)
     smoothing = exp.config.label_smoothing
     return jax.jit(
         lambda s, b, r: train_step(s, b, r, smoothing, value_and_grad),
@@ -236,7 +254,7 @@ def _start(exp: Experiment, workdir: str) -> tuple[_Run, train_state.TrainState]
             f.write(c.to_json_best_effort(indent=2) + "\n")
         if start:
             print(f"Resumed from step {start} ({ckpt.directory}).", file=sys.stderr, flush=True)
-    run = _Run(exp, jit_train_step(exp, shardings), p_eval, iterator, ckpt,
+    run = _Run(exp, jit_train_step(exp, shardings, abstract), p_eval, iterator, ckpt,
                MetricsWriter(workdir, enabled=is_main, resume_step=start),
                tqdm(total=exp.total_steps, initial=start, unit="step", dynamic_ncols=True,
                     file=sys.stderr, mininterval=0.5, disable=not (is_main and c.progress)),

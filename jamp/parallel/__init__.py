@@ -3,6 +3,7 @@
 - :mod:`~jamp.parallel.mesh`: the ('data', 'model', 'pipe') mesh and logical axis rules;
 - :mod:`~jamp.parallel.data_parallel`: gradients all-reduced in float32;
 - :mod:`~jamp.parallel.pipeline`: the GPipe schedule over 'pipe' (``jax.shard_map``);
+- :mod:`~jamp.parallel.zero`: ZeRO-1/2/3 (FSDP): state split over 'data';
 - :mod:`~jamp.parallel.step`: the train step's gradient function that combines them;
 - :mod:`~jamp.parallel.launch`: ``jax.distributed`` from flags, SLURM, Open MPI or torchrun.
 
@@ -12,7 +13,7 @@ Example:
   (2, 2, 2)
 """
 
-from jamp.parallel import data_parallel, launch, pipeline, step
+from jamp.parallel import data_parallel, launch, pipeline, step, zero
 from jamp.parallel.mesh import (
     AXES,
     LOGICAL_AXIS_RULES,
@@ -22,4 +23,4 @@ from jamp.parallel.mesh import (
 )
 
 __all__ = ["AXES", "LOGICAL_AXIS_RULES", "batch_sharding", "data_parallel", "launch",
-           "make_mesh", "mesh_shape", "pipeline", "step"]
+           "make_mesh", "mesh_shape", "pipeline", "step", "zero"]

@@ -45,11 +45,12 @@ from typing import Any
 
 import jax
 
-from jamp.parallel import data_parallel, pipeline
+from jamp.parallel import data_parallel, pipeline, zero
 from jamp.step import LossFn, ValueAndGrad
 
 
-def value_and_grad(param_specs: Any = None, *, pipelined: bool = False) -> ValueAndGrad:
+def value_and_grad(param_specs: Any = None, *, pipelined: bool = False,
+                   plan: zero.Plan | None = None) -> ValueAndGrad:
     """The ``value_and_grad`` argument of :func:`jamp.train_step` on a mesh.
 
     Each 'data' shard differentiates its share of the batch's mean loss with its
@@ -60,6 +61,9 @@ def value_and_grad(param_specs: Any = None, *, pipelined: bool = False) -> Value
       param_specs: the parameters' mesh ``PartitionSpec`` pytree (e.g. from the
         logical axis rules); needed with ``pipelined`` (it says which parameters
         are split into stages).
+      plan: a ZeRO stage (:class:`jamp.parallel.zero.Plan`): gradients
+        reduce-scattered in float32 (stage 2), parameters gathered in their read
+        dtype (stage 3); see :func:`jamp.parallel.data_parallel.value_and_grad`.
       pipelined: the model runs its layers as a GPipe pipeline over 'pipe'
         (built with a :class:`jamp.parallel.pipeline.GPipe` layer runner): 'pipe'
         is then manual too and the schedule runs in place on each stage.
@@ -84,6 +88,6 @@ def value_and_grad(param_specs: Any = None, *, pipelined: bool = False) -> Value
             return loss_fn(params, batch, rng)
 
         return data_parallel.value_and_grad(shard_loss, manual_axes=manual_axes,
-                                            param_specs=param_specs)
+                                            param_specs=param_specs, plan=plan)
 
     return transform

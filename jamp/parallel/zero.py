@@ -68,6 +68,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -138,8 +139,22 @@ def with_data(spec: P, dim: int | None, ndim: int | None = None) -> P:
     return P(*entries)
 
 
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
+def without_data(spec: P) -> P:
+    """``spec`` with 'data' taken out (the other mesh axes' splits: stage 0's spec).
+
+    Example:
+      >>> from jax.sharding import PartitionSpec as P
+      >>> without_data(P("data", "model")), without_data(P(("data", "model"), None))
+      (PartitionSpec(None, 'model'), PartitionSpec('model', None))
+    """
+
+    def one(entry):
+        if isinstance(entry, (tuple, list)):
+            kept = tuple(a for a in entry if a != DATA)
+            return kept[0] if len(kept) == 1 else (kept or None)
+        return None if entry == DATA else entry
+
+    return P(*(one(e) for e in spec))
 
 
 def split_dims(tree: Any, specs: Any, data_size: int) -> Any:
@@ -363,7 +378,7 @@ def _apply_per_layer(apply_layers: Callable, dims: Any, dtypes: Any, axis_name: 
             p if d is None else gather(p, d - 1, t, axis_name)
             for p, d, t in zip(treedef.flatten_up_to(layer["params"]), dims, dtypes,
                                strict=True)])
-        gathered = jax.ad_checkpoint.checkpoint_name(gathered, GATHERED)
+        gathered = checkpoint_name(gathered, GATHERED)
         stacked = jax.tree_util.tree_map(lambda v: v[None], {**layer, "params": gathered})
         layer_key = None if key is None else jax.random.fold_in(key, index)
         return apply_layers(stacked, carry, layer_key), None
