@@ -27,7 +27,7 @@ from jamp.loss_scale import (
     scale_loss,
 )
 from jamp.master import MasterWeightsState, master_params, master_weights
-from jamp.memory import MemoryReport, memory_report, tree_bytes
+from jamp.memory import MemoryReport, bytes_per_device, memory_report, tree_bytes
 from jamp.policy import (
     FP8_MODES,
     MODE_ALIASES,
@@ -67,6 +67,7 @@ __all__ = [
     "PolicyModule",
     "apply_policy",
     "autocast",
+    "bytes_per_device",
     "float32_overrides",
     "fp8",
     "get_policy",

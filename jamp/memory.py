@@ -4,7 +4,9 @@ XLA:CPU upcasts half precision to float32 and its compiled memory analysis does
 not show half-precision savings, so jamp counts bytes from shapes and dtypes:
 parameters, gradients (one per parameter, in its dtype), optimizer state, and
 the residuals a training step saves for the backward pass (from ``jax.vjp``
-under ``jax.eval_shape``: nothing is computed or allocated).
+under ``jax.eval_shape``: nothing is computed or allocated). Sharded states are
+also counted per device (:func:`bytes_per_device`, :class:`PerDevice`): what one
+device holds of the parameters, gradients, optimizer state and master copy.
 
 Example:
   >>> import jax, jax.numpy as jnp, jamp
@@ -23,6 +25,9 @@ from typing import Any
 import jax
 import jax.extend.core
 import numpy as np
+from jax.sharding import NamedSharding, Sharding
+
+from jamp.master import MasterWeightsState
 
 
 def tree_bytes(tree: Any) -> int:
@@ -38,6 +43,139 @@ def tree_bytes(tree: Any) -> int:
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
             total += int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
     return total
+
+
+def _is_array(leaf: Any) -> bool:
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+
+
+def _leaf_bytes_per_device(leaf: Any) -> int:
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if isinstance(sharding, Sharding) else leaf.shape
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes of all array leaves of ``tree`` that one device holds.
+
+    A leaf with a sharding (a ``jax.Array``, or a ``jax.ShapeDtypeStruct`` given
+    ``sharding=``) counts its shard shape (``sharding.shard_shape(shape)``: a
+    dimension split over a mesh axis of size n holds 1/n of it, rounded up); a leaf
+    without one counts in full, as in :func:`tree_bytes`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+      >>> mesh = AbstractMesh((4,), ("data",))
+      >>> w = jax.ShapeDtypeStruct((8, 4), jnp.float16, sharding=NamedSharding(mesh, P("data")))
+      >>> jamp.tree_bytes(w), jamp.bytes_per_device(w)   # 8 x 4 halves; 2 x 4 per device
+      (64, 16)
+      >>> jamp.bytes_per_device({"w": w, "b": jax.ShapeDtypeStruct((4,), jnp.float32)})
+      32
+    """
+    return sum(_leaf_bytes_per_device(leaf)
+               for leaf in jax.tree_util.tree_leaves(tree) if _is_array(leaf))
+
+
+def _split_over_data(leaf: Any) -> bool:
+    """Whether ``leaf`` is replicated over a 'data' axis of size > 1 (not split over it)."""
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.shape.get("data", 1) <= 1:
+        return True
+    named = {a for entry in sharding.spec if entry is not None
+             for a in (entry if isinstance(entry, tuple) else (entry,))}
+    return "data" in named
+
+
+def _replicated_bytes(tree: Any) -> int:
+    return sum(_leaf_bytes_per_device(leaf) for leaf in jax.tree_util.tree_leaves(tree)
+               if _is_array(leaf) and not _split_over_data(leaf))
+
+
+def _is_master_state(x: Any) -> bool:
+    return isinstance(x, MasterWeightsState)
+
+
+def _split_master(opt_state: Any) -> tuple[Any, list[Any]]:
+    """``(opt_state without master copies, [master copies])``: found as :func:`jamp.master_params`
+    finds them (by type, not by name)."""
+    masters = [s.master for s in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_master_state)
+               if _is_master_state(s)]
+    rest = jax.tree_util.tree_map(
+        lambda s: s._replace(master=None) if _is_master_state(s) else s, opt_state,
+        is_leaf=_is_master_state)
+    return rest, masters
+
+
+def _has_sharding(tree: Any) -> bool:
+    return any(isinstance(getattr(leaf, "sharding", None), Sharding)
+               for leaf in jax.tree_util.tree_leaves(tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class PerDevice:
+    """Bytes one device holds of a training step's states (see :func:`bytes_per_device`).
+
+    Attributes:
+      params: the parameters' shards.
+      grads: the gradients' shards (one per parameter, in its dtype, sharded as the
+        step holds them: ``grad_shardings`` of :func:`memory_report`).
+      opt_state: the optimizer state's shards, without the master copy.
+      master: the float32 master copy of :func:`jamp.master_weights` (0 if none).
+      replicated: the part of the four above held whole on every device of a 'data'
+        axis of size > 1 (leaves whose sharding does not split them over 'data':
+        scalars, leaves too small or not divisible); 0 when 'data' has size 1.
+    """
+
+    params: int
+    grads: int
+    opt_state: int
+    master: int
+    replicated: int
+
+    @property
+    def total(self) -> int:
+        """Params + grads + optimizer state + master copy (``replicated`` is part of them)."""
+        return self.params + self.grads + self.opt_state + self.master
+
+    def as_dict(self) -> dict[str, int]:
+        """The figures as a plain dict, with ``total``."""
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+def per_device_bytes(params: Any, opt_state: Any = None, grad_shardings: Any = None) -> PerDevice:
+    """Per-device bytes of ``params``, their gradients, ``opt_state`` and its master copy.
+
+    Args:
+      params: parameters (``jax.Array`` or ``jax.ShapeDtypeStruct`` with shardings).
+      opt_state: optional optimizer state; a :func:`jamp.master_weights` master copy
+        inside it is counted apart, as ``master``.
+      grad_shardings: shardings of the gradients, a pytree like ``params`` (ZeRO-2/3
+        split them over 'data'); default: the parameters' own shardings.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jamp
+      >>> from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+      >>> mesh = AbstractMesh((4,), ("data",))
+      >>> p = {"w": jax.ShapeDtypeStruct((8,), jnp.float16, sharding=NamedSharding(mesh, P()))}
+      >>> s = {"w": NamedSharding(mesh, P("data"))}
+      >>> jamp.memory.per_device_bytes(p, grad_shardings=s)   # 16 B params, 4 B of the grads
+      PerDevice(params=16, grads=4, opt_state=0, master=0, replicated=16)
+    """
+    if grad_shardings is None:
+        grads = params
+    else:
+        grads = jax.tree_util.tree_map(
+            lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s) if _is_array(p)
+            else p, params, grad_shardings)
+    rest, masters = _split_master(opt_state)
+    return PerDevice(
+        params=bytes_per_device(params),
+        grads=bytes_per_device(grads),
+        opt_state=bytes_per_device(rest),
+        master=bytes_per_device(masters),
+        replicated=_replicated_bytes((params, grads, rest, masters)),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +196,9 @@ class MemoryReport:
       model_state_bytes: non-parameter model state given as ``model_state``
         (the fp8 modes' scales and amax histories, :class:`jamp.fp8.TrainState`
         ``fp8`` and ``fp8_pending``); 0 when none was given.
+      per_device: what one device holds of params, grads, optimizer state and
+        master copy (a :class:`PerDevice`), when the params or optimizer state
+        carry shardings; ``None`` otherwise. The figures above are whole arrays.
     """
 
     params_bytes: int
@@ -66,6 +207,7 @@ class MemoryReport:
     residual_bytes: int
     activation_bytes: int | None = None
     model_state_bytes: int = 0
+    per_device: PerDevice | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -73,9 +215,11 @@ class MemoryReport:
         return (self.params_bytes + self.grads_bytes + self.opt_state_bytes
                 + self.residual_bytes + self.model_state_bytes)
 
-    def as_dict(self) -> dict[str, int | None]:
-        """The report as a plain dict (for JSON), with ``total_bytes``."""
-        return {**dataclasses.asdict(self), "total_bytes": self.total_bytes}
+    def as_dict(self) -> dict[str, Any]:
+        """The report as a plain dict (for JSON), with ``total_bytes``; ``per_device``
+        nested (with its ``total``) or ``None``."""
+        return {**dataclasses.asdict(self), "total_bytes": self.total_bytes,
+                "per_device": self.per_device.as_dict() if self.per_device else None}
 
     def __str__(self) -> str:
         mib = lambda b: "n/a" if b is None else f"{b / 2**20:,.1f} MiB"
@@ -85,7 +229,13 @@ class MemoryReport:
         if self.model_state_bytes:
             rows.append(("model state (fp8)", self.model_state_bytes))
         rows.append(("total", self.total_bytes))
-        return "\n".join(f"{name:<22}{mib(b):>14}" for name, b in rows)
+        if self.per_device is not None:
+            d = self.per_device
+            rows += [("per device (replicated: not split over 'data'):", ""),
+                     ("  params", d.params), ("  grads", d.grads), ("  optimizer state", d.opt_state), ("  master copy", d.master),
+                     ("  of which replicated", d.replicated), ("  total", d.total)]
+        return "\n".join(f"{name:<22}{b if isinstance(b, str) else mib(b):>14}".rstrip()
+                         for name, b in rows)
 
 
 def _residuals_of(loss_fn: Callable) -> Callable:
@@ -118,6 +268,7 @@ def memory_report(
     *args: Any,
     opt_state: Any = None,
     model_state: Any = None,
+    grad_shardings: Any = None,
 ) -> MemoryReport:
     """Counts the bytes of a training step of ``loss_fn`` at the JAX level.
 
@@ -133,6 +284,10 @@ def memory_report(
         ``(state.fp8, state.fp8_pending)`` of a :class:`jamp.fp8.TrainState`).
         In the fp8 modes ``loss_fn`` should read it too, so that the residuals
         are the fp8 matmuls' (fp8 operands with current scaling).
+      grad_shardings: shardings of the gradients a step holds, a pytree like
+        ``params`` (ZeRO-2/3 split them over 'data'); default: the parameters' own.
+        Used for ``per_device``, which is computed when ``params`` or ``opt_state``
+        carry shardings (``jax.Array`` or ``jax.ShapeDtypeStruct(..., sharding=)``).
 
     Returns:
       A :class:`MemoryReport`.
@@ -155,4 +310,6 @@ def memory_report(
         residual_bytes=tree_bytes(residual_shapes),
         activation_bytes=_activation_bytes(loss_fn, params, args),
         model_state_bytes=tree_bytes(model_state) if model_state is not None else 0,
+        per_device=(per_device_bytes(params, opt_state, grad_shardings)
+                    if _has_sharding((params, opt_state)) else None),
     )
