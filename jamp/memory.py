@@ -232,7 +232,8 @@ class MemoryReport:
         if self.per_device is not None:
             d = self.per_device
             rows += [("per device (replicated: not split over 'data'):", ""),
-                     ("  params", d.params), ("  grads", d.grads), ("  optimizer state", d.opt_state), ("  master copy", d.master),
+                     ("  params", d.params), ("  grads", d.grads),
+                     ("  optimizer state", d.opt_state), ("  master copy", d.master),
                      ("  of which replicated", d.replicated), ("  total", d.total)]
         return "\n".join(f"{name:<22}{b if isinstance(b, str) else mib(b):>14}".rstrip()
                          for name, b in rows)
