@@ -227,8 +227,9 @@ def test_mixed_uses_and_moves():
     g = lambda p, x: f(p, x) + p["wide"].astype(jnp.float32).sum()  # widened: its own
     assert read_dtypes(g, p, jnp.ones(4)) == {
         "both": F32, "moved": F16, "unused": F32, "wide": F16}
-    # Casts that disagree keep the leaf's own dtype; a leaf returned as it is, too.
-    h = lambda p: (_half(p["w"]).sum(), p["w"].astype(jnp.bfloat16).sum(), p["r"])
+    # Casts that disagree keep the leaf's own dtype; a leaf also returned as it is, too.
+    h = lambda p: (_half(p["w"]).sum(), p["w"].astype(jnp.bfloat16).sum(),
+                   _half(p["r"]).sum(), p["r"].T)
     assert read_dtypes(h, {"w": jnp.ones(2), "r": jnp.ones(2)}) == {"w": F32, "r": F32}
 
 
