@@ -65,7 +65,9 @@ Bind = Callable[..., list]
 
 def _half(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jnp.dtype(dtype) in HALF
+    # Extended dtypes (flax's fp8 state, "fp8_meta32"; PRNG keys) are never half.
+    return (dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+            and jnp.dtype(dtype) in HALF)
 
 
 def _floating(x: Any) -> bool:

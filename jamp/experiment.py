@@ -51,6 +51,7 @@ from jamp.config import FIELDS
 from jamp.models import vit, vit_nnx
 from jamp.models.sizes import vit_dims
 from jamp.parallel import zero
+from jamp.parallel.read_dtypes import read_dtypes
 from jamp.parallel.pipeline import GPipe
 from jamp.policy import MixedPrecision, mixed_precision
 from jamp.step import differentiated_variables, make_optimizer
@@ -489,13 +490,13 @@ def zero_plan(exp: Experiment, abstract: Any) -> zero.Plan:
 
 
 def _read_dtypes(exp: Experiment, abstract: Any) -> Any:
-    """The dtype the model reads each parameter in (stage 3 gathers it in that dtype)."""
-    compute = exp.precision.policy.compute_dtype
-
-    def one(path, x):
-        name = getattr(path[-1], "key", None)
-        if name in ("kernel", "embedding") and jnp.issubdtype(x.dtype, jnp.floating):
-            return jnp.dtype(compute)
-        return jnp.dtype(x.dtype)
-
-    return jax.tree_util.tree_map_with_path(one, abstract.params)
+    """The dtype the model reads each parameter in (stage 3 gathers it in that dtype),
+    from the jaxpr of a forward pass (:func:`jamp.parallel.read_dtypes.read_dtypes`)."""
+    plain = lambda tree: jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    extras = plain(differentiated_variables(abstract))
+    size, channels = exp.config.image_size, exp.info.image_shape[-1]
+    # The whole batch: a pipelined model splits it into microbatches.
+    images = jax.ShapeDtypeStruct((exp.config.batch_size, size, size, channels), jnp.float32)
+    return read_dtypes(lambda p, x, e: exp.apply_fn({"params": p, **e}, x, train=False),
+                       plain(abstract.params), images, extras)

@@ -225,7 +225,9 @@ def value_and_grad(
         def shard_loss(p):
             if stage < 2:  # the psum that transposes this cast runs in float32
                 p = _mark_varying(p, axis_name)
-            elif stage == 3:  # this shard's blocks: gathered (backward: reduce-scatter)
+            elif stage == 2:  # replicated leaves (and e.g. the fp8 state) as at stage 0
+                p = _map(lambda x, d: _mark_varying(x, axis_name) if d is None else x, p, dims)
+            else:  # this shard's blocks: gathered (backward: reduce-scatter)
                 p = _gather_blocks(p, dims, dtypes, plan.per_layer, axis_name)
             with nn.logical_axis_rules(rules), _layer_gathers(plan, later, dtypes, axis_name):
                 value, aux = fun(p, batch, *args)
@@ -234,8 +236,8 @@ def value_and_grad(
             return value / shards, aux
 
         if stage == 2:  # differentiate this shard's own copy: no automatic psum
-            params = jax.tree_util.tree_map(
-                lambda x: jax.lax.pcast(x, axis_name, to="varying"), params)
+            params = _map(lambda x, d: x if d is None else jax.lax.pcast(
+                x, axis_name, to="varying"), params, dims)
         (share, aux), grads = jax.value_and_grad(shard_loss, has_aux=True)(params)
         if stage == 2:
             grads = _reduce_scatter(grads, dims, axis_name)
@@ -333,13 +335,13 @@ def _layer_gathers(plan: zero.Plan | None, dims: Any, dtypes: Any, axis_name: st
 
 
 def _reduce_scatter(grads: Any, dims: Any, axis_name: str) -> Any:
-    """Stage 2: each shard's gradient summed in float32 and split along its dim (psum
-    where the leaf is replicated), cast to the gradient's dtype."""
+    """Stage 2: each shard's gradient summed in float32 and split along its dim, cast to
+    the gradient's dtype (a replicated leaf's gradient is already summed)."""
 
     def one(g, d):
+        if d is None:  # summed by the transpose of _mark_varying already
+            return g
         wide = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-        if d is None:
-            return jax.lax.psum(wide, axis_name).astype(g.dtype)
         return jax.lax.psum_scatter(wide, axis_name, scatter_dimension=d,
                                     tiled=True).astype(g.dtype)
 

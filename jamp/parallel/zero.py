@@ -379,7 +379,10 @@ def _apply_per_layer(apply_layers: Callable, dims: Any, dtypes: Any, axis_name: 
             for p, d, t in zip(treedef.flatten_up_to(layer["params"]), dims, dtypes,
                                strict=True)])
         gathered = checkpoint_name(gathered, GATHERED)
-        stacked = jax.tree_util.tree_map(lambda v: v[None], {**layer, "params": gathered})
+        # A reshape (its transpose is one too; a broadcast's would sum, and flax's fp8
+        # state's dtype has no sum).
+        stacked = jax.tree_util.tree_map(lambda v: jnp.reshape(v, (1, *v.shape)),
+                                         {**layer, "params": gathered})
         layer_key = None if key is None else jax.random.fold_in(key, index)
         return apply_layers(stacked, carry, layer_key), None
 
