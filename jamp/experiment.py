@@ -51,8 +51,8 @@ from jamp.config import FIELDS
 from jamp.models import vit, vit_nnx
 from jamp.models.sizes import vit_dims
 from jamp.parallel import zero
-from jamp.parallel.read_dtypes import read_dtypes
 from jamp.parallel.pipeline import GPipe
+from jamp.parallel.read_dtypes import read_dtypes
 from jamp.policy import MixedPrecision, mixed_precision
 from jamp.step import differentiated_variables, make_optimizer
 

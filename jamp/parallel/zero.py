@@ -258,11 +258,42 @@ class Plan:
         check_stage(self.stage)
 
 
+def make_plan(stage: int, params: Any, mesh: jax.sharding.Mesh, specs: Any = None, *,
+              read_dtypes: Any = None, per_layer: tuple[Any, ...] | None = None) -> Plan:
+    """The :class:`Plan` of ``stage`` for ``params`` (arrays or ``ShapeDtypeStruct``) on ``mesh``.
+
+    For your own loop: place the parameters with :func:`shardings` (stage 3) and the
+    optimizer state with :func:`shardings` (stages 1-3), and differentiate with
+    ``jamp.parallel.data_parallel.value_and_grad(loss, plan=plan)`` under ``jax.jit``;
+    the optimizer (``jamp.DynamicLossScale`` included) then runs on the split state.
+
+    Args:
+      stage: the ZeRO stage.
+      params: the parameters.
+      mesh: the mesh (its 'data' axis is split over).
+      specs: optional ``PartitionSpec`` tree of the other axes' splits.
+      read_dtypes: stage 3: the dtype the model reads each leaf in
+        (:func:`jamp.parallel.read_dtypes.read_dtypes`); None gathers each leaf
+        in its own dtype.
+      per_layer: stage 3: the path of stacked layers a :class:`GatherPerLayer`
+        runner in the model gathers one at a time.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jamp.parallel import make_mesh, zero
+      >>> plan = zero.make_plan(2, {"w": jnp.ones((4, 2))}, make_mesh({"data": 1}))
+      >>> plan.stage, plan.dims
+      (2, {'w': None})
+    """
+    return Plan(check_stage(stage), split_dims(params, specs, dict(mesh.shape).get(DATA, 1)),
+                read_dtypes, per_layer)
+
+
 def _gatherer(axis_name: str, dim: int, dtype: Any, param_dtype: Any) -> Callable:
     return _gatherer_cached(axis_name, dim, np.dtype(dtype), np.dtype(param_dtype))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gatherer_cached(axis_name: str, dim: int, dtype: np.dtype, param_dtype: np.dtype
                      ) -> Callable:
     @jax.custom_vjp
@@ -402,9 +433,7 @@ def subtree(tree: Any, path: tuple[Any, ...] | None) -> Any:
     if path is None:
         return None
     for key in path:
-        if isinstance(tree, dict) and key in tree:
-            tree = tree[key]
-        elif isinstance(tree, (tuple, list)) and isinstance(key, int) and key < len(tree):
+        if isinstance(tree, dict) and key in tree or isinstance(tree, (tuple, list)) and isinstance(key, int) and key < len(tree):
             tree = tree[key]
         else:
             return None
