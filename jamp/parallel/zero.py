@@ -54,7 +54,7 @@ Example:
   >>> zero.split_dim((3,), P(), data_size=8) is None                # replicated
   True
   >>> zero.with_data(P(None, "model"), 0)
-  PartitionSpec('data', 'model')
+  P('data', 'model')
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def with_data(spec: P, dim: int | None, ndim: int | None = None) -> P:
     Example:
       >>> from jax.sharding import PartitionSpec as P
       >>> with_data(P("pipe"), 2, ndim=3)
-      PartitionSpec('pipe', None, 'data')
+      P('pipe', None, 'data')
     """
     if dim is None:
         return spec
@@ -145,7 +145,7 @@ def without_data(spec: P) -> P:
     Example:
       >>> from jax.sharding import PartitionSpec as P
       >>> without_data(P("data", "model")), without_data(P(("data", "model"), None))
-      (PartitionSpec(None, 'model'), PartitionSpec('model', None))
+      (P(None, 'model'), P('model', None))
     """
 
     def one(entry):
@@ -193,7 +193,7 @@ def shardings(tree: Any, mesh: jax.sharding.Mesh, specs: Any = None) -> Any:
       >>> mesh = make_mesh({"data": 1})
       >>> state = optax.adam(1e-3).init({"w": jnp.ones((4, 2))})
       >>> zero.shardings(state, mesh)[0].mu["w"].spec   # data=1: nothing to split
-      PartitionSpec()
+      P()
     """
     data_size = dict(mesh.shape).get(DATA, 1)
     if specs is None:
@@ -433,7 +433,8 @@ def subtree(tree: Any, path: tuple[Any, ...] | None) -> Any:
     if path is None:
         return None
     for key in path:
-        if isinstance(tree, dict) and key in tree or isinstance(tree, (tuple, list)) and isinstance(key, int) and key < len(tree):
+        indexable = isinstance(tree, (tuple, list)) and isinstance(key, int) and key < len(tree)
+        if (isinstance(tree, dict) and key in tree) or indexable:
             tree = tree[key]
         else:
             return None
