@@ -126,6 +126,7 @@ def summarize(exp: Experiment, state: train_state.TrainState, *, workdir: str, s
         "train_loss_floor": label_smoothing_floor(c.label_smoothing, exp.info.num_classes),
         "devices": exp.mesh.devices.size,
         "mesh": dict(exp.mesh.shape),
+        "zero_stage": exp.config.zero_stage,
         "pipeline_bubble": exp.pipeline.bubble_fraction if exp.pipeline else 0.0,
         "param_norm": float(jax.device_get(_param_norm(state.params))),
         "seed": c.seed,
@@ -273,6 +274,7 @@ def format_summary(summary: dict[str, Any], memory: MemoryReport) -> str:
         f"throughput      {'n/a' if ips is None else f'{ips:,.0f} images/s'} "
         f"on {summary['devices']} device(s)",
         "mesh            " + " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
+        + (f", ZeRO stage {summary['zero_stage']}" if summary.get("zero_stage") else "")
         + (f" (pipeline bubble {100 * summary['pipeline_bubble']:.0f}%)"
            if summary.get("pipeline_bubble") else ""),
         "memory (per device-batch, JAX-level):",

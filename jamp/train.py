@@ -146,11 +146,16 @@ def step_memory_report(exp: Experiment, state: train_state.TrainState) -> Memory
                                  rngs={"dropout": jax.random.key(0)})
         return cross_entropy(logits, y)
 
-    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                      state.params)
+    abstract = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state.params)
+    grad_shardings = None  # ZeRO-2/3: each device holds its 'data' split of the gradients
+    if exp.config.zero_stage >= 2:
+        grad_shardings = zero.shardings(
+            state.params, exp.mesh,
+            jax.tree_util.tree_map(lambda a: zero.without_data(a.sharding.spec), state.params))
     model_state = state.extra_state() if collections else None
     return memory_report(loss_fn, abstract, images, labels, opt_state=state.opt_state,
-                         model_state=model_state)
+                         model_state=model_state, grad_shardings=grad_shardings)
 
 
 @dataclasses.dataclass
