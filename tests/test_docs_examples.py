@@ -41,3 +41,21 @@ def test_equinox_migration_trains_in_fp16_and_skips_nan():
     assert out["scale"] == 2.0**14
     assert abs(after[-1] - before[2]) < 2e-2  # two skipped steps behind float32
     assert after[-1] < after[0]
+
+
+def test_zero_own_loop_splits_state_per_stage_and_trains_the_same():
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    example = _load("zero_own_loop")
+    runs = {stage: example.main(steps=4, stage=stage) for stage in (0, 1, 2, 3)}
+    split, whole = P(None, "data"), P()
+    assert [runs[s]["master_or_mu_spec"] for s in range(4)] == [whole, split, split, split]
+    assert [runs[s]["grad_spec"] for s in range(4)] == [whole, whole, split, split]
+    assert [runs[s]["param_spec"] for s in range(4)] == [whole, whole, whole, split]
+    for stage in (1, 2, 3):  # the NaN batch skipped on every stage; the same losses
+        assert runs[stage]["skipped"] == runs[0]["skipped"] == [0, 1, 1, 1]
+        assert runs[stage]["losses"][2:] == pytest.approx(runs[0]["losses"][2:], rel=1e-6)
+        assert runs[stage]["loss_scale"] == runs[0]["loss_scale"]

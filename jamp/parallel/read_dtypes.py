@@ -190,7 +190,7 @@ def read_dtypes(fun: Callable[..., Any], params: Any, *args: Any, **kwargs: Any)
       fun: any JAX-traceable function of the parameters (e.g. ``lambda p, x:
         model.apply({"params": p}, x)``, or ``jax.grad`` of a loss).
       params: the parameter pytree (arrays or ``jax.ShapeDtypeStruct``).
-      *args, **kwargs: the other arguments; array and ``jax.ShapeDtypeStruct``
+      args, kwargs: the other arguments; array and ``jax.ShapeDtypeStruct``
         leaves are traced, anything else (flags, modules) is passed as it is.
 
     Returns:
