@@ -256,6 +256,7 @@ def value_and_grad(
                 is_leaf=lambda s: isinstance(s, P))
         param_in, grad_out = specs, specs
         if stage >= 2:
+            _check_plan(params, plan, _axis_size(axis_name))
             if not manual_axes:
                 specs = jax.tree_util.tree_map(lambda _: P(), params)
             split = jax.tree_util.tree_map(
@@ -268,6 +269,18 @@ def value_and_grad(
             out_specs=((P(), P()), grad_out), axis_names=manual)(params, batch, *args)
 
     return wrapped
+
+
+def _check_plan(params: Any, plan: zero.Plan, data_size: int) -> None:
+    """A plan made for other parameters or another mesh: one error naming the fix."""
+    for x, d in zip(jax.tree_util.tree_leaves(params),
+                    jax.tree_util.tree_leaves(_leafwise(plan.dims, params),
+                                              is_leaf=lambda v: v is None), strict=True):
+        if d is not None and (d >= jnp.ndim(x) or jnp.shape(x)[d] % data_size):
+            raise ValueError(
+                f"The ZeRO plan splits a parameter of shape {jnp.shape(x)} on dimension {d}, "
+                f"which the mesh's {data_size} 'data' devices cannot split: make the plan "
+                "with zero.make_plan(stage, params, mesh) for these parameters and this mesh.")
 
 
 def _leafwise(tree: Any, like: Any) -> Any:
