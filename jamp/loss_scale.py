@@ -175,7 +175,9 @@ def _finite_flag(tree: Any, inv_scale: jax.Array, axis_names: tuple[str, ...]) -
         wide = jnp.promote_types(dtype, jnp.float32)
         magnitude = jnp.abs(x)
         magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
-        leaf_max = jnp.max(magnitude).astype(wide)
+        # The max in >= float32: exact either way, but then no collective of a split
+        # gradient (ZeRO-2/3) runs in half precision (the convert fuses into the reduction).
+        leaf_max = jnp.max(magnitude.astype(wide))
         flags.append(jnp.isfinite(leaf_max * inv_scale.astype(wide)))
     finite = jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
     if axis_names:
