@@ -61,14 +61,20 @@ def _group_axes(groups: str, mesh: jax.sharding.Mesh) -> str:
       >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
       >>> _group_axes("{{0,2,4,6},{1,3,5,7}}", mesh), _group_axes("[4,2]<=[8]", mesh)
       ('data', 'model')
+      >>> _group_axes("mesh['axis_0'=1,'axis_1'=8] {'axis_1'}", mesh)
+      'data+model'
+      >>> _group_axes("mesh['axis_0'=2,'axis_1'=2,'axis_2'=2] {'axis_2','axis_0'}", mesh)
+      'data+model'
+      >>> _group_axes("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", mesh)
+      'data'
     """
     names, shape = mesh.axis_names, mesh.devices.shape
-    if groups.startswith("mesh["):  # mesh['axis_0'=1,...] {'axis_2'}: named axes
-        sizes = [int(s) for s in re.findall(r"=(\d+)", groups)]
-        offset = len(sizes) - len(names)
-        picked = re.findall(r"'axis_(\d+)'", groups.split("] ")[1])
-        return "+".join(names[int(k) - offset] for k in picked) if offset >= 0 else groups
-    if groups == "{}":
+    if groups.startswith("mesh["):  # mesh['axis_0'=2,'axis_1'=4] {'axis_0'}: an iota mesh
+        sizes = [int(n) for n in re.findall(r"=(\d+)", groups)]
+        picked = {int(k) for k in re.findall(r"'axis_(\d+)'", groups.split("] ")[1])}
+        group = np.arange(np.prod(sizes)).reshape(sizes)[tuple(
+            slice(None) if k in picked else 0 for k in range(len(sizes)))].ravel()
+    elif groups == "{}":
         group = np.arange(mesh.devices.size)
     elif groups.startswith("{{"):
         group = np.array([int(i) for i in groups[2:].split("}")[0].split(",")])
