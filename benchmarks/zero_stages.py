@@ -257,7 +257,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         "B/param = jamp/device over the parameter count",
         "- collectives: `axes dtype count x total KiB` per op in the compiled HLO; bytes of "
         "the whole array (a reduce-scatter's input); an op inside a loop body (scanned "
-        "layers) is counted once",
+        "layers) is counted once; XLA:CPU compiles a bf16 collective as f32 (the bf16 rows' "
+        "stage-3 gathers are bf16 in the lowered StableHLO, f32 here)",
         "- trajectory vs stage 0: max |loss diff|, max over leaves of max|dp|/max|p| after "
         "the last step (and its leaf; `key_bias` left out: its gradient is 0 in exact "
         "arithmetic, softmax ignores a shift shared by all keys, so Adam turns rounding noise "
