@@ -149,12 +149,22 @@ def _resume(mode, stage, mesh, tmp_path, monkeypatch, name):
 
 
 def test_fp32_stage3_resumes_as_stage0_and_as_stage2_on_another_mesh(tmp_path, monkeypatch):
-    _run(_config("fp32", 0), tmp_path / "reference", monkeypatch)
+    reference = _run(_config("fp32", 0), tmp_path / "reference", monkeypatch)
+    memory = reference["summary"]["memory"]
+    whole = memory["per_device"]  # stage 0 on data=8: every device holds everything
+    assert (whole["params"], whole["grads"], whole["opt_state"]) == (
+        memory["params_bytes"], memory["grads_bytes"], memory["opt_state_bytes"])
     stopped = _stage3_stopped_at_n("fp32", tmp_path, monkeypatch)
     for stage, mesh in ((0, (8, 1)), (2, (4, 2))):
         workdir, resumed = _resume("fp32", stage, mesh, tmp_path, monkeypatch, f"stage{stage}")
         _check_restored(resumed, stopped, "fp32", stage)
         _check_trajectory(workdir, tmp_path / "reference")
+    # The summary's per-device bytes (stage 2 on data=4 x model=2): the gradients and AdamW's
+    # two moments split over 'data' too, the parameters over 'model' only.
+    per_device = resumed["summary"]["memory"]["per_device"]
+    assert per_device["params"] < whole["params"]  # 'model' splits the kernels
+    assert per_device["grads"] < per_device["params"] / 2, per_device
+    assert per_device["opt_state"] < per_device["params"], per_device
 
 
 def test_fp16_naive_master_copy_and_loss_scale_restore_into_stage1(tmp_path, monkeypatch):
@@ -165,6 +175,10 @@ def test_fp16_naive_master_copy_and_loss_scale_restore_into_stage1(tmp_path, mon
     workdir, resumed = _resume("fp16_naive", 1, (8, 1), tmp_path, monkeypatch, "stage1")
     _check_restored(resumed, stopped, "fp16_naive", 1)
     _check_trajectory(workdir, tmp_path / "reference")
+    per_device = resumed["summary"]["memory"]["per_device"]  # stage 1: the master copy split
+    assert 0 < per_device["master"] < resumed["summary"]["memory"]["params_bytes"], per_device
+    assert per_device["params"] == per_device["grads"] == resumed["summary"]["memory"][
+        "params_bytes"], per_device
     scales = {scale for _, scale, _ in _trajectory(workdir).values()}
     assert len(scales) > 2, scales  # the scale grew before and after N: a reset one would show
 
