@@ -1,15 +1,19 @@
 """Every mesh trains or is refused (issue 22, item 1): a property over all meshes of 1-8 devices.
 
 A ``(data, model, pipe)`` mesh whose product fits the session's 8 fake CPU devices
-(1, 2, 4 or 8 of them) either trains the ViT for two steps, in any precision mode
-and either Flax API, or is refused by the one validation pass (a ``ConfigError``
-that names the fix; the command then exits 2 and writes nothing). Never a crash.
+(1, 2, 4 or 8 of them) either trains the ViT for two steps, in any precision mode,
+either Flax API and any ZeRO stage, or is refused by the one validation pass (a
+``ConfigError`` that names the fix; the command then exits 2 and writes nothing).
+Never a crash.
 
-``hypothesis`` draws the mesh, the mode, the framework and the number of heads
-(which 'model' must divide, or the run is refused). The explicit examples cover
-all 20 mesh shapes, each compiled once, with the 8 modes rotated over them so
+``hypothesis`` draws the mesh, the mode, the framework, the ZeRO stage and the number
+of heads (which 'model' must divide, or the run is refused). The explicit examples
+cover all 20 mesh shapes, each compiled once, with the 8 modes rotated over them so
 that every mode trains under both linen and NNX: tensor-only (``1 x m x 1``),
-pipe-only, ``model x pipe`` with ``data=1`` included. Before the fix in
+pipe-only, ``model x pipe`` with ``data=1`` included. The same compiles cover ZeRO
+(issue 24): every 8-device mesh trains at stage 3 (parameters split over 'data' and
+gathered per layer, composed with 'model' and 'pipe'), the 4- and 2-device meshes
+alternate stages 1 and 2, the 1-device mesh stays at stage 0. Before the fix in
 :mod:`jamp.parallel.data_parallel`, every ``data=1, pipe=1, model>1`` mesh died in
 XLA's partitioner ("Cross-partition allreduce must be in (partial) manual
 partitioning mode") and every ``bf16_pure`` run with ``data>1`` aborted XLA:CPU.
@@ -45,19 +49,30 @@ MESHES = [m for n in (1, 2, 4, 8) for m in itertools.product((1, 2, 4, 8), repea
 BATCH, STEPS = 16, 2
 
 
-CASES = [(mesh, MODES[i % len(MODES)], FRAMEWORKS[(i + k) % 2])
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _zero_stage(mesh, i):
+    """Stage 3 on every 8-device mesh, 1 and 2 in turn on 4 and 2 devices, 0 on one device."""
+    devices = int(np.prod(mesh))
+    return 3 if devices == 8 else 0 if devices == 1 else 1 + i % 2
+
+
+CASES = [(mesh, MODES[i % len(MODES)], FRAMEWORKS[(i + k) % 2], _zero_stage(mesh, i))
          for k, group in enumerate(([m for m in MESHES if m[0] == 1],
                                     [m for m in MESHES if m[0] > 1]))
          for i, mesh in enumerate(group)]
 """Each mesh once; the modes rotated over the 10 meshes with ``data=1`` and over the 10 with
 ``data>1``, the framework alternating (the other way round on the second group): every mode
-trains with and without a 'data' axis, under linen and NNX."""
+trains with and without a 'data' axis, under linen and NNX. The ZeRO stage by the mesh's
+size (:func:`_zero_stage`)."""
 
 
-def _overrides(mesh, mode, framework, heads):
+def _overrides(mesh, mode, framework, heads, zero_stage=0):
     """The tiny ViT on ``mesh``: 8 heads split over any 'model', one block per pipeline stage."""
     data_, model, pipe = mesh
     fields = {"mesh.data": data_, "mesh.model": model, "mesh.pipe": pipe,
+              "zero_stage": zero_stage,
               "framework": framework, "num_heads": heads, "hidden_size": 16, "mlp_dim": 16,
               "num_layers": max(2, pipe), "batch_size": BATCH, "pipeline_microbatches": 2,
               "max_steps": STEPS, "warmup_steps": 0, "learning_rate": 1e-2,
@@ -89,11 +104,11 @@ def _train(exp, local):
     """``STEPS`` steps of the trainer's own jitted step; the metrics and the params before/after."""
     rng = jax.random.key(0)
     with jax.set_mesh(exp.mesh):
-        _, shardings = experiment.state_shardings(exp, rng)
+        abstract, shardings = experiment.state_shardings(exp, rng)
         state = experiment.init_state(exp, rng, shardings)
     before = jax.device_get(state.params)
     with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
-        step = train.jit_train_step(exp, shardings)
+        step = train.jit_train_step(exp, shardings, abstract)
         batch = {k: jax.device_put(v, parallel.batch_sharding(exp.mesh)) for k, v in local.items()}
         metrics = []
         for i in range(STEPS):
@@ -122,18 +137,20 @@ def meshes(draw):
 
 
 def _explicit(test):
-    for mesh, mode, framework in CASES:
-        test = example(mesh=mesh, mode=mode, framework=framework, heads=8)(test)
+    for mesh, mode, framework, stage in CASES:
+        test = example(mesh=mesh, mode=mode, framework=framework, zero_stage=stage,
+                       heads=8)(test)
     return test
 
 
 @settings(max_examples=2, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(mesh=meshes(), mode=st.sampled_from(MODES), framework=st.sampled_from(FRAMEWORKS),
-       heads=st.sampled_from((2, 4, 8)))
+       zero_stage=st.sampled_from(ZERO_STAGES), heads=st.sampled_from((2, 4, 8)))
 @_explicit
-def test_every_mesh_trains_in_every_mode_or_is_refused(batch, mesh, mode, framework, heads):
-    fields = _overrides(mesh, mode, framework, heads)
+def test_every_mesh_trains_in_every_mode_or_is_refused(batch, mesh, mode, framework, zero_stage,
+                                                       heads):
+    fields = _overrides(mesh, mode, framework, heads, zero_stage)
     if heads % mesh[1]:  # the heads cannot be split over 'model': refused, nothing written
         with pytest.raises(experiment.ConfigError, match=f"num_heads={heads} cannot be split"):
             experiment.build_experiment(_config(mode, fields))
@@ -141,22 +158,27 @@ def test_every_mesh_trains_in_every_mode_or_is_refused(batch, mesh, mode, framew
         assert status == 2 and f"num_heads={heads} cannot be split" in err and not wrote, err
         return
     exp = experiment.build_experiment(_config(mode, fields))
-    assert tuple(exp.mesh.shape.values()) == mesh
+    assert tuple(exp.mesh.shape.values()) == mesh and exp.config.zero_stage == zero_stage
     metrics, before, after = _train(exp, batch)
+    case = (mesh, mode, framework, zero_stage)
     for m in metrics:
-        assert np.isfinite(m["loss"]) and bool(m["grad_finite"]), (mesh, mode, framework, m)
+        assert np.isfinite(m["loss"]) and bool(m["grad_finite"]), (*case, m)
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(before),
                                                       jax.tree_util.tree_leaves(after),
                                                       strict=True)]
-    assert any(moved), (mesh, mode, framework)
+    assert any(moved), case
 
 
 def test_the_examples_cover_every_mesh_and_every_mode_under_both_frameworks():
-    assert len(MESHES) == 20 and {m for m, _, _ in CASES} == set(MESHES)
-    assert {(mode, fw) for _, mode, fw in CASES} == set(itertools.product(MODES, FRAMEWORKS))
-    assert {(mode, m[0] > 1) for m, mode, _ in CASES} == set(itertools.product(MODES, (0, 1)))
+    assert len(MESHES) == 20 and {m for m, *_ in CASES} == set(MESHES)
+    assert {(mode, fw) for _, mode, fw, _ in CASES} == set(itertools.product(MODES, FRAMEWORKS))
+    assert {(mode, m[0] > 1) for m, mode, *_ in CASES} == set(itertools.product(MODES, (0, 1)))
     assert {m for m in MESHES if m[0] == 1 and m[1] > 1} >= {(1, 2, 1), (1, 4, 1), (1, 8, 1),
                                                               (1, 2, 2), (1, 4, 2), (1, 2, 4)}
+    # ZeRO: every 8-device mesh at stage 3; stages 1 and 2 both with a 'data' axis > 1.
+    assert all(stage == 3 for m, *_, stage in CASES if np.prod(m) == 8)
+    assert all(stage == 0 for m, *_, stage in CASES if np.prod(m) == 1)
+    assert {stage for m, *_, stage in CASES if m[0] > 1 and np.prod(m) in (2, 4)} == {1, 2}
 
 
 @pytest.mark.parametrize("shape, dtype", [((1, 2, 1), "float32"), ((1, 8, 1), "float16"),
