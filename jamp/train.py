@@ -93,8 +93,9 @@ def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None) -> Cal
     """
     plan = None
     if exp.config.zero_stage:
-        if abstract is None:
-            abstract, _ = state_shardings(exp, jax.random.key(exp.config.seed))
+        if abstract is None:  # built outside the logical rules, as _start builds it
+            with nn.logical_axis_rules(()):
+                abstract, _ = state_shardings(exp, jax.random.key(exp.config.seed))
         plan = zero_plan(exp, abstract)
     value_and_grad = mesh_value_and_grad(exp, shardings, plan)
     smoothing = exp.config.label_smoothing
