@@ -122,9 +122,11 @@ class PerDevice:
         step holds them: ``grad_shardings`` of :func:`memory_report`).
       opt_state: the optimizer state's shards, without the master copy.
       master: the float32 master copy of :func:`jamp.master_weights` (0 if none).
-      replicated: the part of the four above held whole on every device of a 'data'
+      replicated: the part of the figures here held whole on every device of a 'data'
         axis of size > 1 (leaves whose sharding does not split them over 'data':
         scalars, leaves too small or not divisible); 0 when 'data' has size 1.
+      model_state: the non-parameter model state's shards (the fp8 modes' scales and
+        amax histories; never split over 'data'); 0 when none was given.
     """
 
     params: int
@@ -132,18 +134,21 @@ class PerDevice:
     opt_state: int
     master: int
     replicated: int
+    model_state: int = 0
 
     @property
     def total(self) -> int:
-        """Params + grads + optimizer state + master copy (``replicated`` is part of them)."""
-        return self.params + self.grads + self.opt_state + self.master
+        """Params + grads + optimizer state + master copy + model state (``replicated``
+        is part of them)."""
+        return self.params + self.grads + self.opt_state + self.master + self.model_state
 
     def as_dict(self) -> dict[str, int]:
         """The figures as a plain dict, with ``total``."""
         return {**dataclasses.asdict(self), "total": self.total}
 
 
-def per_device_bytes(params: Any, opt_state: Any = None, grad_shardings: Any = None) -> PerDevice:
+def per_device_bytes(params: Any, opt_state: Any = None, grad_shardings: Any = None,
+                     model_state: Any = None) -> PerDevice:
     """Per-device bytes of ``params``, their gradients, ``opt_state`` and its master copy.
 
     Args:
@@ -152,6 +157,7 @@ def per_device_bytes(params: Any, opt_state: Any = None, grad_shardings: Any = N
         inside it is counted apart, as ``master``.
       grad_shardings: shardings of the gradients, a pytree like ``params`` (ZeRO-2/3
         split them over 'data'); default: the parameters' own shardings.
+      model_state: optional non-parameter state (the fp8 state), counted as ``model_state``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jamp
@@ -174,7 +180,8 @@ def per_device_bytes(params: Any, opt_state: Any = None, grad_shardings: Any = N
         grads=bytes_per_device(grads),
         opt_state=bytes_per_device(rest),
         master=bytes_per_device(masters),
-        replicated=_replicated_bytes((params, grads, rest, masters)),
+        replicated=_replicated_bytes((params, grads, rest, masters, model_state)),
+        model_state=bytes_per_device(model_state) if model_state is not None else 0,
     )
 
 
@@ -233,8 +240,10 @@ class MemoryReport:
             d = self.per_device
             rows += [("per device (replicated: not split over 'data'):", ""),
                      ("  params", d.params), ("  grads", d.grads),
-                     ("  optimizer state", d.opt_state), ("  master copy", d.master),
-                     ("  of which replicated", d.replicated), ("  total", d.total)]
+                     ("  optimizer state", d.opt_state), ("  master copy", d.master)]
+            if d.model_state:
+                rows.append(("  model state (fp8)", d.model_state))
+            rows += [("  of which replicated", d.replicated), ("  total", d.total)]
         return "\n".join(f"{name:<22}{b if isinstance(b, str) else mib(b):>14}".rstrip()
                          for name, b in rows)
 
@@ -311,6 +320,6 @@ def memory_report(
         residual_bytes=tree_bytes(residual_shapes),
         activation_bytes=_activation_bytes(loss_fn, params, args),
         model_state_bytes=tree_bytes(model_state) if model_state is not None else 0,
-        per_device=(per_device_bytes(params, opt_state, grad_shardings)
+        per_device=(per_device_bytes(params, opt_state, grad_shardings, model_state)
                     if _has_sharding((params, opt_state)) else None),
     )

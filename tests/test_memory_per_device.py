@@ -143,7 +143,7 @@ def test_report_dict_and_printed_summary(placed):
     report = jamp.memory_report(_loss, params, 1.0, opt_state=state)
     assert report.as_dict()["per_device"] == {
         "params": PARAMS, "grads": PARAMS, "opt_state": OPT_STATE, "master": MASTER,
-        "replicated": REPLICATED, "total": 2 * PARAMS + OPT_STATE + MASTER}
+        "replicated": REPLICATED, "model_state": 0, "total": 2 * PARAMS + OPT_STATE + MASTER}
     summary = {"outcome": "completed", "model": "ViT-ti/2", "framework": "linen",
                "dataset": "digits", "mode": "fp16_naive", "test_accuracy": 0.98,
                "test_loss": 0.07, "steps": 10, "steps_skipped": 0, "final_loss_scale": 1.0,
@@ -177,3 +177,14 @@ def test_per_device_bytes_match_xla_arguments(placed):
         d.params + d.opt_state + d.master, rel=0.05)
     assert _arguments(params) == pytest.approx(d.params, rel=0.05)
     assert _arguments(jamp.master_params(state)) == pytest.approx(d.master, rel=0.05)
+
+
+def test_model_state_is_counted_per_device_and_as_replicated(placed):
+    """The fp8 state is never split over 'data': each device holds all of it."""
+    mesh, params, state = placed
+    meta = jax.device_put(jamp.fp8.init_meta(16), NamedSharding(mesh, P()))
+    report = jamp.memory_report(_loss, params, 1.0, opt_state=state, model_state=meta)
+    d = report.per_device
+    assert d.model_state == jamp.tree_bytes(meta) == 204
+    assert d.replicated == REPLICATED + 204
+    assert d.total == 2 * PARAMS + OPT_STATE + MASTER + 204
