@@ -57,7 +57,8 @@ STAGES = zero.STAGES
 BATCH, STEPS = 16, 20
 OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 """Faster XLA:CPU code generation (the HLO passes, so the collectives, are the same)."""
-OVERFLOW_SCALE = {"loss_scale.init_scale": 2.0**30, "loss_scale.growth_interval": 3,
+OVERFLOW_SCALE = {"loss_scale.init_scale": 2.0**30, "loss_scale.max_scale": 2.0**40,
+                  "loss_scale.growth_interval": 3,
                   "loss_scale.hysteresis": 1, "loss_scale.backoff_factor": 0.5}
 """A float16 loss scale that overflows for the first steps, then grows into overflow again."""
 HALF = ("f16", "bf16")
@@ -459,8 +460,13 @@ def test_float32_trajectories_equal_stage_0(stage):
     (m0, p0), (m, p) = trajectory("fp32", MESH, 0), trajectory("fp32", MESH, stage)
     np.testing.assert_allclose([x["loss"] for x in m], [x["loss"] for x in m0], rtol=1e-5)
     assert m0[-1]["loss"] < m0[0]["loss"]  # it trains
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                           p, p0)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p), jax.tree_util.tree_leaves(p0),
+                            strict=True):
+        # The key bias cannot change the attention (softmax is shift-invariant): its gradient
+        # is float32 roundoff, summed in another order, which Adam scales to lr-sized steps.
+        noise = "key_bias" in jax.tree_util.keystr(path)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4 if noise else 1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -495,10 +501,16 @@ def _poisoned(loss_fn):
     def poisoned(params, batch, rng):
         value, aux = loss_fn(params, batch, rng)
         bad, leaf, position = batch["bad"][0], batch["leaf"][0], batch["position"][0]
+        term = 0.0
         for i, p in enumerate(jax.tree_util.tree_leaves(params)):
             element = p.reshape(-1)[position % p.size].astype(jnp.float32)
-            value = value + jnp.where(leaf == i, bad, 0.0) * element
-        return value, aux
+            term = term + jnp.where(leaf == i, bad, 0.0) * element
+        if "pipe" in jax.sharding.get_abstract_mesh().manual_axes:
+            # A pipeline stage's own layers: the first stage's, summed to one value.
+            term = term + jax.lax.pcast(jnp.zeros((), jnp.float32), "pipe", to="varying")
+            first = jax.lax.axis_index("pipe") == 0
+            term = jax.lax.psum(jnp.where(first, term, 0.0), "pipe")
+        return value + term, aux
 
     return poisoned
 
