@@ -67,15 +67,13 @@ HALF = ("f16", "bf16")
 # ----------------------------------------------------------------------------- set-up
 
 
-def _key(fields: dict) -> tuple:
-    return tuple(sorted(fields.items()))
-
-
 @functools.cache
-def setup(mode: str, mesh: tuple[int, ...], stage: int, extra: tuple = ()):
+def setup(mode: str, mesh: tuple[int, ...], stage: int):
     """The experiment, abstract state and state shardings of ``mode`` on ``mesh`` at ``stage``."""
     fields = _overrides(mesh, mode, "linen", 8)
-    fields.update(zero_stage=stage, dropout_rate=0.0, max_steps=STEPS, **dict(extra))
+    fields.update(zero_stage=stage, dropout_rate=0.0, max_steps=STEPS)
+    if mode in ("fp16", "fp16_naive"):
+        fields.update(OVERFLOW_SCALE)
     exp = experiment.build_experiment(_config(mode, fields))
     with jax.set_mesh(exp.mesh):
         abstract, shardings = experiment.state_shardings(exp, jax.random.key(0))
@@ -95,25 +93,27 @@ def host_batches() -> list[dict[str, np.ndarray]]:
 
 
 @functools.cache
-def host_init(mode: str, extra: tuple = ()):
+def host_init(mode: str):
     """The initial train state's leaves on the host (created once per mode: every stage and
     mesh then starts from the same numbers)."""
-    exp, _, shardings = setup(mode, MESH, 0, extra)
+    exp, _, shardings = setup(mode, MESH, 0)
     with jax.set_mesh(exp.mesh):
         state = experiment.init_state(exp, jax.random.key(0), shardings)
     return jax.device_get(jax.tree_util.tree_leaves(state))
 
 
-def place(setup_, leaves):
-    """A train state of ``setup_`` (its stage's shardings) holding the host ``leaves``."""
+def place(setup_, leaves, scale: float | None = None):
+    """A train state of ``setup_`` (its stage's shardings) holding the host ``leaves``
+    (and loss scale ``scale``, if given)."""
     exp, abstract, shardings = setup_
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), leaves)
+    if scale is not None:
+        state = state.replace(opt_state=state.opt_state._replace(scale=np.float32(scale)))
     return jax.device_put(state, shardings)
 
 
-def fresh_state(mode, mesh, stage, extra=()):
-    setup_ = setup(mode, mesh, stage, extra)
-    return place(setup_, host_init(mode, extra))
+def fresh_state(mode, mesh, stage, scale=None):
+    return place(setup(mode, mesh, stage), host_init(mode), scale)
 
 
 def put_batch(exp, batch):
@@ -135,23 +135,23 @@ def _context(exp):
 
 
 @functools.cache
-def lowered_step(mode: str, mesh: tuple[int, ...], stage: int, extra: tuple = ()):
+def lowered_step(mode: str, mesh: tuple[int, ...], stage: int):
     """The trainer's jitted step, lowered (``jax.stages.Lowered``: the program jamp emits)."""
-    exp, abstract, shardings = setup(mode, mesh, stage, extra)
+    exp, abstract, shardings = setup(mode, mesh, stage)
     with _context(exp):
         jitted = train.jit_train_step(exp, shardings, abstract)
         return jitted.lower(abstract, abstract_batch(exp), jax.random.key(0))
 
 
 @functools.cache
-def real_step(mode: str, mesh: tuple[int, ...], stage: int, extra: tuple = ()):
+def real_step(mode: str, mesh: tuple[int, ...], stage: int):
     """The trainer's jitted step, compiled (``jax.stages.Compiled``)."""
-    return lowered_step(mode, mesh, stage, extra).compile(OPTIONS)
+    return lowered_step(mode, mesh, stage).compile(OPTIONS)
 
 
 @functools.cache
-def hlo(mode, mesh, stage, extra=()):
-    return real_step(mode, mesh, stage, extra).as_text()
+def hlo(mode, mesh, stage):
+    return real_step(mode, mesh, stage).as_text()
 
 
 # ----------------------------------------------------------------------------- HLO parsing
@@ -210,8 +210,8 @@ def collectives(text: str, mesh_shape: tuple[int, ...]) -> list[dict]:
     return found
 
 
-def data_collectives(mode, stage, op, extra=()):
-    return [c for c in collectives(hlo(mode, MESH, stage, extra), MESH)
+def data_collectives(mode, stage, op):
+    return [c for c in collectives(hlo(mode, MESH, stage), MESH)
             if c["op"] == op and c["over_data"]]
 
 
@@ -232,10 +232,10 @@ def _local_shape(shape, spec, mesh_shape: dict, without=()) -> tuple[int, ...]:
     return tuple(out)
 
 
-def gathered_candidates(mode, mesh, extra=()) -> set[tuple[str, tuple[int, ...]]]:
+def gathered_candidates(mode, mesh) -> set[tuple[str, tuple[int, ...]]]:
     """(read dtype, shape) an all-gather of each stage-3 split parameter may produce: the
     whole leaf or one layer of the stacked encoder, split by 'model'/'pipe' or not."""
-    exp, abstract, shardings = setup(mode, mesh, 3, extra)
+    exp, abstract, shardings = setup(mode, mesh, 3)
     params = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                     abstract.params)
     images = jax.ShapeDtypeStruct((BATCH, 8, 8, 1), jnp.float32)
@@ -306,9 +306,11 @@ def test_stage3_gathers_each_parameter_in_the_dtype_the_model_reads_it_in(mode, 
                     if c["op"] == "all-gather" and c["data_only"]], candidates, compute)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_stages_2_and_3_reduce_scatter_the_gradients_in_float32(stage):
-    scatters = data_collectives("fp16", stage, "reduce-scatter")
+@pytest.mark.parametrize("mode, stage", [("fp16", 2), ("fp16", 3), ("fp16_naive", 2),
+                                         ("fp16_naive", 3)])
+def test_stages_2_and_3_reduce_scatter_the_gradients_in_float32(mode, stage):
+    """fp16: float32 parameters; fp16_naive: float16 ones, float32 sums all the same."""
+    scatters = data_collectives(mode, stage, "reduce-scatter")
     assert scatters, f"stage {stage} emits no reduce-scatter over 'data'"
     dtypes = {dt for c in scatters for dt, _ in c["elements"]}
     assert dtypes == {"f32"}, [c["line"] for c in scatters if c["elements"][0][0] != "f32"]
@@ -323,8 +325,8 @@ def test_stage1_all_reduces_the_gradients_in_float32(mode):
     assert not data_collectives(mode, 1, "reduce-scatter")
 
 
-@pytest.mark.parametrize("mode, stage", [("fp16", 1), ("fp16", 2), ("fp16", 3),
-                                         ("fp16_naive", 1), ("bf16", 3)])
+@pytest.mark.parametrize("mode, stage", [("fp16", 1), ("fp16", 2), ("fp16", 3), ("fp16_naive", 1),
+                                         ("fp16_naive", 2), ("fp16_naive", 3), ("bf16", 3)])
 def test_no_half_precision_sum_over_data(mode, stage):
     for op in ("all-reduce", "reduce-scatter"):
         half = [c["line"] for c in data_collectives(mode, stage, op)
@@ -397,7 +399,7 @@ def test_shard_shapes_of_params_master_mu_nu_per_stage(stage):
 @pytest.mark.parametrize("stage", STAGES)
 def test_gradient_shard_shapes_per_stage(stage):
     grads = clean_run(MESH, stage)[2]
-    base = setup("fp16", MESH, 0, _key(POISON_SCALE))[2]
+    base = setup("fp16", MESH, 0)[2]
     _check_tree(grads, base.params, stage >= 2, "grads")
 
 
@@ -444,10 +446,10 @@ def test_the_bytes_fall_with_each_stage():
 
 
 @functools.cache
-def trajectory(mode, mesh, stage, extra=()):
-    exp = setup(mode, mesh, stage, extra)[0]
-    step = real_step(mode, mesh, stage, extra)
-    state = fresh_state(mode, mesh, stage, extra)
+def trajectory(mode, mesh, stage):
+    exp = setup(mode, mesh, stage)[0]
+    step = real_step(mode, mesh, stage)
+    state = fresh_state(mode, mesh, stage)
     metrics = []
     for i, batch in enumerate(host_batches()):
         state, m = step(state, put_batch(exp, batch), jax.random.fold_in(jax.random.key(1), i))
@@ -471,8 +473,7 @@ def test_float32_trajectories_equal_stage_0(stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_float16_trajectories_skip_and_scale_as_stage_0(stage):
-    extra = _key(OVERFLOW_SCALE)
-    (m0, p0), (m, p) = trajectory("fp16", MESH, 0, extra), trajectory("fp16", MESH, stage, extra)
+    (m0, p0), (m, p) = trajectory("fp16", MESH, 0), trajectory("fp16", MESH, stage)
     finite0 = [bool(x["grad_finite"]) for x in m0]
     assert not all(finite0) and sum(finite0) >= 3, finite0  # skips and updates both happen
     assert [bool(x["grad_finite"]) for x in m] == finite0
@@ -485,8 +486,8 @@ def test_float16_trajectories_skip_and_scale_as_stage_0(stage):
 
 # ----------------------------------------------------------------------------- 5. overflow
 
-POISON_SCALE = {"loss_scale.init_scale": 2.0**8, "loss_scale.hysteresis": 1,
-                "loss_scale.backoff_factor": 0.5}
+POISON_SCALE = 2.0**8
+"""The loss scale before the poisoned step (the clean step before it is finite)."""
 OVERFLOW_CASES = [*((MESH, s) for s in STAGES), ((8, 1, 1), 3), ((2, 2, 2), 3), ((4, 1, 2), 2)]
 """(mesh, stage) of the overflow property: every stage on the test mesh, FSDP on a
 data-only mesh and beside a pipeline, stage 2 beside a pipeline."""
@@ -519,8 +520,7 @@ def _poisoned(loss_fn):
 def poisoned_step(mesh, stage):
     """The trainer's step (its gradient function and ``train_step``) differentiating
     :func:`_poisoned` of the loss; it also returns the gradients."""
-    extra = _key(POISON_SCALE)
-    exp, abstract, shardings = setup("fp16", mesh, stage, extra)
+    exp, abstract, shardings = setup("fp16", mesh, stage)
     with _context(exp):
         plan = experiment.zero_plan(exp, abstract) if stage else None
         value_and_grad = train.mesh_value_and_grad(exp, shardings, plan)
@@ -563,9 +563,8 @@ def _poison_batch(exp, shard, leaf, position, value):
 def clean_run(mesh, stage):
     """One finite step (so ``mu``/``nu`` are not zero): its metrics, the state's host
     leaves after it, the gradients."""
-    extra = _key(POISON_SCALE)
-    exp = setup("fp16", mesh, stage, extra)[0]
-    state = fresh_state("fp16", mesh, stage, extra)
+    exp = setup("fp16", mesh, stage)[0]
+    state = fresh_state("fp16", mesh, stage, scale=POISON_SCALE)
     state, metrics, grads = poisoned_step(mesh, stage)(
         state, _poison_batch(exp, 0, 0, 0, 0.0), jax.random.key(0))
     assert bool(metrics["grad_finite"]), metrics
@@ -593,9 +592,9 @@ def _explicit(test):
 def test_a_bad_value_in_one_shards_gradient_skips_on_every_device(case, shard, leaf, position,
                                                                   kind):
     mesh, stage = case
-    exp = setup("fp16", mesh, stage, _key(POISON_SCALE))[0]
+    exp = setup("fp16", mesh, stage)[0]
     before_metrics, leaves, _ = clean_run(mesh, stage)
-    state = place(setup("fp16", mesh, stage, _key(POISON_SCALE)), leaves)
+    state = place(setup("fp16", mesh, stage), leaves)
     n_leaves = len(jax.tree_util.tree_leaves(state.params))
     kept = _shards((state.params, state.opt_state.inner_state))
     scale = float(state.opt_state.scale)
