@@ -194,7 +194,7 @@ def collectives(text: str, mesh_shape: tuple[int, ...]) -> list[dict]:
     """Every all-gather, all-reduce and reduce-scatter: op, element dtypes and shapes, and
     whether it moves data across 'data' shards (``over_data``) or only across them
     (``data_only``: every group varies in the 'data' coordinate alone)."""
-    found = []
+    found, roots = [], _roots(text)
     for line in text.splitlines():
         m = _OP.search(line)
         if not m:
@@ -205,9 +205,22 @@ def collectives(text: str, mesh_shape: tuple[int, ...]) -> list[dict]:
         data_only = over_data and all(len({tuple(c[1:]) for c in g}) == 1 for g in coords)
         elements = [(dt, tuple(_ints(dims) or ()))
                     for dt, dims in re.findall(r"([a-z0-9]+)\[([\d,]*)\]", m.group("type"))]
+        reducer = re.search(r"to_apply=%([\w.-]+)", line)
         found.append(dict(op=m.group("op"), elements=elements, over_data=over_data,
-                          data_only=data_only, line=line[:200]))
+                          data_only=data_only, line=line[:200],
+                          reducer=reducer and roots.get(reducer.group(1))))
     return found
+
+
+def _roots(text: str) -> dict[str, str]:
+    """The op at the root of each computation (an all-reduce's ``to_apply``: add, maximum)."""
+    roots, name = {}, None
+    for line in text.splitlines():
+        if m := re.match(r"%?([\w.-]+) \(.*\{\s*$", line):
+            name = m.group(1)
+        elif name and (m := re.search(r"ROOT %[\w.-]+ = \S+ ([a-z-]+)\(", line)):
+            roots[name] = m.group(1)
+    return roots
 
 
 def data_collectives(mode, stage, op):
@@ -328,10 +341,15 @@ def test_stage1_all_reduces_the_gradients_in_float32(mode):
 @pytest.mark.parametrize("mode, stage", [("fp16", 1), ("fp16", 2), ("fp16", 3), ("fp16_naive", 1),
                                          ("fp16_naive", 2), ("fp16_naive", 3), ("bf16", 3)])
 def test_no_half_precision_sum_over_data(mode, stage):
+    """(A half-precision ``max``, e.g. of the overflow check over gradient shards, is exact.)"""
+    reducers = set()
     for op in ("all-reduce", "reduce-scatter"):
-        half = [c["line"] for c in data_collectives(mode, stage, op)
-                if any(dt in HALF for dt, _ in c["elements"])]
-        assert not half, half
+        for c in data_collectives(mode, stage, op):
+            assert c["reducer"], c["line"]
+            reducers.add(c["reducer"])
+            half = any(dt in HALF for dt, _ in c["elements"])
+            assert not (half and c["reducer"] == "add"), c["line"]
+    assert "add" in reducers
 
 
 def test_the_hlo_parser_reads_every_form_of_replica_groups():
@@ -345,9 +363,13 @@ def test_the_hlo_parser_reads_every_form_of_replica_groups():
     line = ("replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=1,'axis_3'=4], "
             "device_ids=([4,2]T(1,0)) {'axis_1'}, u")
     assert replica_groups(line, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    found = collectives("  %a = (f32[], f16[4,2]{1,0}) all-reduce(%x, %y), "
-                        "replica_groups={{0,2,4,6},{1,3,5,7}}, to_apply=%add", MESH)
+    text = ("%add (a: f16[], b: f16[]) -> f16[] {\n  %a = f16[] parameter(0)\n"
+            "  ROOT %s = f16[] add(%a, %b)\n}\n\n"
+            "  %a = (f32[], f16[4,2]{1,0}) all-reduce(%x, %y), "
+            "replica_groups={{0,2,4,6},{1,3,5,7}}, to_apply=%add\n")
+    found = collectives(text, MESH)
     assert found[0]["elements"] == [("f32", ()), ("f16", (4, 2))] and found[0]["data_only"]
+    assert found[0]["reducer"] == "add"
 
 
 # ----------------------------------------------------------------------------- 2. shards
