@@ -16,3 +16,20 @@ for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive
     if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# pytest-xdist's `--dist loadfile` hands whole files to the workers in collection order: a
+# long file collected last (tests/test_zero*.py sort last) would run alone on one worker at
+# the end. The heaviest files go first (longest-first scheduling); the rest keep their order.
+HEAVIEST_FIRST = (
+    "tests/test_preemption.py", "tests/test_every_mesh.py", "tests/test_train.py",
+    "tests/test_zero.py", "tests/test_zero_resume.py", "tests/test_parallel.py",
+    "tests/test_multiprocess.py", "tests/test_notebooks.py", "tests/test_f32_accumulation.py",
+    "tests/test_fp8_pipeline.py", "tests/test_vit_nnx.py", "tests/test_docs_examples.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    root = os.path.dirname(os.path.abspath(__file__))
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.relpath(str(item.path), root),
+                                         len(rank)))

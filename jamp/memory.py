@@ -166,7 +166,7 @@ def per_device_bytes(params: Any, opt_state: Any = None, grad_shardings: Any = N
       >>> p = {"w": jax.ShapeDtypeStruct((8,), jnp.float16, sharding=NamedSharding(mesh, P()))}
       >>> s = {"w": NamedSharding(mesh, P("data"))}
       >>> jamp.memory.per_device_bytes(p, grad_shardings=s)   # 16 B params, 4 B of the grads
-      PerDevice(params=16, grads=4, opt_state=0, master=0, replicated=16)
+      PerDevice(params=16, grads=4, opt_state=0, master=0, replicated=16, model_state=0)
     """
     if grad_shardings is None:
         grads = params
