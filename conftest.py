@@ -5,6 +5,7 @@ here, at import time of the test session, for every test module.
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -16,6 +17,11 @@ for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive
     if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The trainer tests compile the same tiny programs again and again (a run and its resume,
+# subprocesses, both xdist workers): a persistent compilation cache shared by them all
+# compiles each once (programs that take >= 1 s to compile, JAX's default threshold).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"jamp-tests-jax-cache-{os.getuid()}"))
 
 # pytest-xdist's `--dist loadfile` hands whole files to the workers in collection order: a
 # long file collected last (tests/test_zero*.py sort last) would run alone on one worker at
