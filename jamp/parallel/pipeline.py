@@ -110,7 +110,7 @@ def gpipe(stage_fn: StageFn, stage_params: Any, inputs: jax.Array, *,
     # Stage 0 reads microbatch t at tick t; after the last one it is fed zeros.
     feed = jnp.concatenate(
         [inputs, jnp.zeros((stages - 1, *inputs.shape[1:]), inputs.dtype)])
-    if axis_name not in _varying_axes(feed):
+    if axis_name not in varying_axes(feed):
         # Explicitly varying, so the transpose (the inputs' gradient, summed over the stages
         # of which only stage 0 reads them) is an all-reduce in _wide's dtype.
         feed = jax.lax.pcast(_wide(feed), axis_name, to="varying").astype(inputs.dtype)
@@ -138,7 +138,14 @@ def gpipe(stage_fn: StageFn, stage_params: Any, inputs: jax.Array, *,
     return jax.lax.psum(_wide(last), axis_name).astype(last.dtype)
 
 
-def _varying_axes(x: jax.Array) -> frozenset[str]:
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The manual mesh axes ``x`` varies over (inside ``jax.shard_map``; empty outside).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> varying_axes(jnp.ones(2))
+      frozenset()
+    """
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.9; .vma before
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))

@@ -72,6 +72,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jamp.parallel.pipeline import varying_axes
+
 DATA = "data"
 """The mesh axis ZeRO splits state over (the data-parallel axis)."""
 
@@ -402,7 +404,7 @@ def _apply_per_layer(apply_layers: Callable, dims: Any, dtypes: Any, axis_name: 
         raise ValueError("The ZeRO-3 plan's per-layer dims do not match the layer runner's "
                          f"'params' (check Plan.per_layer names the stacked layers): {e}") from None
     length = jax.tree_util.tree_leaves(params)[0].shape[0]
-    if axis_name not in _varying_axes(h):  # the gathered layers vary over 'data': so will h
+    if axis_name not in varying_axes(h):  # the gathered layers vary over 'data': so will h
         h = jax.lax.pcast(h, axis_name, to="varying")
 
     def one_layer(carry, xs):
@@ -423,12 +425,6 @@ def _apply_per_layer(apply_layers: Callable, dims: Any, dtypes: Any, axis_name: 
         one_layer, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
     h, _ = jax.lax.scan(one_layer, h, (jnp.arange(length), variables))
     return h
-
-
-def _varying_axes(x: jax.Array) -> frozenset[str]:
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.9; .vma before
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
 def subtree(tree: Any, path: tuple[Any, ...] | None) -> Any:
