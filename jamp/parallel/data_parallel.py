@@ -229,7 +229,7 @@ def value_and_grad(
                 p = _map(lambda x, d: _mark_varying(x, axis_name) if d is None else x, p, dims)
             else:  # this shard's blocks: gathered (backward: reduce-scatter)
                 p = _gather_blocks(p, dims, dtypes, plan.per_layer, axis_name)
-            with nn.logical_axis_rules(rules), _layer_gathers(plan, later, dtypes, axis_name):
+            with nn.logical_axis_rules(rules), _layer_gathers(plan, later, axis_name):
                 value, aux = fun(p, batch, *args)
             # This shard's share of the global mean: every example's cotangent, and so
             # every half-precision partial sum, is what one device would compute.
@@ -325,17 +325,13 @@ def _per_layer_mask(params: Any, per_layer: tuple[Any, ...] | None) -> Any:
     """True for the leaves of ``params`` under the ``per_layer`` path."""
     def under(path, _):
         keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
-        return per_layer is not None and _has_prefix(keys, per_layer)
+        return per_layer is not None and keys[:len(per_layer)] == tuple(per_layer)
 
     return jax.tree_util.tree_map_with_path(under, params)
 
 
-def _has_prefix(keys: tuple[Any, ...], prefix: tuple[Any, ...]) -> bool:
-    return keys[:len(prefix)] == tuple(prefix)
-
-
 @contextlib.contextmanager
-def _layer_gathers(plan: zero.Plan | None, dims: Any, dtypes: Any, axis_name: str):
+def _layer_gathers(plan: zero.Plan | None, dims: Any, axis_name: str):
     """Stage 3 with ``plan.per_layer``: the model's GatherPerLayer gathers those layers."""
     if plan is None or plan.stage != 3 or plan.per_layer is None:
         yield
