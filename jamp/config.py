@@ -106,6 +106,14 @@ FIELDS: dict[str, Field] = {
     "warmup_steps": Field(50, "linear warm-up steps (>= 0)", _at_least(0, "50")),
     "grad_clip_norm": Field(1.0, "clip gradients to this global norm (0: no clipping)",
                             _at_least(0, "1.0", " (0: no clipping)")),
+    "grad_accum_steps": Field(1, "micro-batches per optimizer step (gradient accumulation; "
+                              "Colossal-AI's gradient_accumulation): batch_size is the window's "
+                              "batch, split into this many micro-batches run one after another, "
+                              "their gradients summed in float32 under one loss scale",
+                              _at_least(1, "4")),
+    "log_num_zeros_in_grad": Field(False, "log the number of exactly-zero gradient elements "
+                                   "after unscaling (Megatron/Colossal-AI's "
+                                   "log_num_zeros_in_grad) in metrics.jsonl and TensorBoard"),
     "label_smoothing": Field(0.0, "label smoothing in [0, 1) of the train loss (the test loss "
                              "has none, so the train loss cannot fall below a floor > 0)",
                              _in(0, 1, "0.1")),
