@@ -295,12 +295,19 @@ def _check_batch(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None
         raise ConfigError(
             f"--config.pipeline_microbatches={microbatches} must be at least 1 (at least "
             f"{pipeline.stages}, the pipeline stages, to keep the bubble (S-1)/(M+S-1) small).")
-    split = data_size * microbatches
+    accum = config.get("grad_accum_steps", 1)
+    split = data_size * microbatches * accum
     if config.batch_size <= 0 or config.batch_size % split:
-        what = (f"the {data_size} devices of the mesh's 'data' axis" if microbatches == 1 else
-                f"{data_size} 'data' shards x {microbatches} pipeline microbatches = {split}")
+        parts = [f"{data_size} 'data' shards"]
+        if accum > 1:
+            parts.append(f"{accum} accumulated micro-batches (--config.grad_accum_steps)")
+        if microbatches > 1:
+            parts.append(f"{microbatches} pipeline microbatches")
+        what = (f"the {data_size} devices of the mesh's 'data' axis" if len(parts) == 1 else
+                " x ".join(parts) + f" = {split}")
         change = "--config.mesh.data" + (
-            " or --config.pipeline_microbatches" if microbatches > 1 else "")
+            " or --config.pipeline_microbatches" if microbatches > 1 else "") + (
+            " or --config.grad_accum_steps" if accum > 1 else "")
         used, devices = mesh.devices.size, jax.device_count()
         if used < devices:  # the mesh is the likelier mistake: it leaves devices idle
             shape = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())

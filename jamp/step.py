@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
+from jamp import grad_stats
 from jamp.loss_scale import loss_scale, overflow_stats, scale_loss
 from jamp.master import master_weights
 
@@ -212,12 +213,15 @@ def train_step(
     rng: jax.Array,
     label_smoothing: float = 0.0,
     value_and_grad: ValueAndGrad = single_device_value_and_grad,
+    *,
+    log_num_zeros_in_grad: bool = False,
 ) -> tuple[train_state.TrainState, dict[str, Any]]:
     """One classification training step with loss scaling and exact skip-on-overflow.
 
     The loss is computed in float32 on the model's logits and scaled by the
     current loss scale; ``value_and_grad`` differentiates it; the optimizer
     (from :func:`make_optimizer`) unscales, checks and skips or applies the update.
+    :func:`loss_scaled_step` does all but the loss.
 
     Args:
       state: a ``TrainState`` whose ``apply_fn(variables, images, train=..., rngs=...)``
@@ -229,7 +233,45 @@ def train_step(
         :func:`single_device_value_and_grad`, takes the whole batch at once; on a
         mesh pass :func:`jamp.parallel.step.value_and_grad`, which
         differentiates each 'data' shard's share and all-reduces the gradients in
-        float32 (cast to each parameter's dtype).
+        float32 (cast to each parameter's dtype). Gradient accumulation is a
+        ``value_and_grad`` too (:func:`jamp.grad_accum.value_and_grad`, or
+        ``accumulate=`` of the mesh one).
+      log_num_zeros_in_grad: add ``num_zeros_in_grad`` to the metrics.
+
+    Returns:
+      The new state and metrics: loss, accuracy, loss_scale (used for this
+      step), grad_finite, steps_skipped, diverged, grad_norm (unscaled).
+
+    Example: see the module docstring.
+    """
+    def loss_fn(variables, batch, rng):
+        logits = state.apply_fn(variables, batch["image"], train=True, rngs={"dropout": rng})
+        loss = cross_entropy(logits, batch["label"], label_smoothing)
+        return loss, {"accuracy": jnp.mean(correct_predictions(logits, batch["label"]))}
+
+    return loss_scaled_step(state, batch, rng, loss_fn, value_and_grad,
+                            log_num_zeros_in_grad=log_num_zeros_in_grad)
+
+
+StepLossFn = Callable[[dict[str, Any], Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+"""``loss_fn(variables, batch, rng) -> (loss, metrics)``: the unscaled mean loss and
+further per-step means; ``variables`` is ``{"params": ..., **extra collections}``."""
+
+
+def loss_scaled_step(
+    state: train_state.TrainState,
+    batch: Any,
+    rng: jax.Array,
+    loss_fn: StepLossFn,
+    value_and_grad: ValueAndGrad = single_device_value_and_grad,
+    *,
+    log_num_zeros_in_grad: bool = False,
+) -> tuple[train_state.TrainState, dict[str, Any]]:
+    """The step for any loss: scale, differentiate, unscale/check, skip or update.
+
+    ``loss_fn`` gives the unscaled loss; this function scales it by the state's
+    loss scale before ``value_and_grad`` differentiates it, then applies the
+    gradients through the state's optimizer (which unscales, checks and skips).
 
     A :class:`TrainState` subclass (such as :class:`jamp.fp8.TrainState`, whose
     delayed-scaling fp8 state the forward pass reads) names further variables
@@ -237,42 +279,55 @@ def train_step(
     gradients bypass the optimizer and the loss scale and go to
     :meth:`TrainState.after_update` with whether the loss scale applied the step
     and how the loss scale changed (fp8: the new state is written back only for
-    an applied step, max-combined over ``optax.MultiSteps`` micro-batches and,
+    an applied step, max-combined over accumulated micro-batches and,
     on a mesh, over the 'data' shards and pipeline microbatches; the gradient
     amax history follows the loss scale).
 
     Returns:
-      The new state and metrics: loss, accuracy, loss_scale (used for this
-      step), grad_finite, steps_skipped, diverged.
+      The new state and metrics: what ``loss_fn`` returned (``loss`` and its
+      metrics), loss_scale (used for this step), grad_finite, steps_skipped,
+      diverged, grad_norm (of the unscaled gradients) and, with
+      ``log_num_zeros_in_grad``, num_zeros_in_grad (:mod:`jamp.grad_stats`).
 
-    Example: see the module docstring.
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jamp
+      >>> state = jamp.step.TrainState.create(
+      ...     apply_fn=None, params={"w": jnp.zeros(2)},
+      ...     tx=jamp.make_optimizer("fp16", optax.sgd(0.5)))
+      >>> loss = lambda v, b, r: (jnp.mean((b["x"] @ v["params"]["w"] - 1.0) ** 2), {})
+      >>> state, m = jamp.step.loss_scaled_step(state, {"x": jnp.ones((4, 2))}, None, loss,
+      ...                                       log_num_zeros_in_grad=True)
+      >>> float(m["loss"]), float(m["grad_norm"]), int(m["num_zeros_in_grad"])
+      (1.0, 2.8284270763397217, 0)
     """
     scale = loss_scale(state.opt_state)
     extras = differentiated_variables(state)
 
-    def loss_fn(differentiated, batch, rng):
+    def scaled_loss(differentiated, batch, rng):
         params, more = differentiated if extras else (differentiated, {})
         if extras:  # e.g. fp8 state: max-combined over its uses and over a mesh
             more = state.variables_for_gradient(more)
-        variables = {"params": params, **more}
-        logits = state.apply_fn(variables, batch["image"], train=True, rngs={"dropout": rng})
-        loss = cross_entropy(logits, batch["label"], label_smoothing)
-        accuracy = jnp.mean(correct_predictions(logits, batch["label"]))
-        return scale_loss(loss, state.opt_state), {"loss": loss, "accuracy": accuracy}
+        loss, metrics = loss_fn({"params": params, **more}, batch, rng)
+        return scale_loss(loss, state.opt_state), {"loss": loss, **metrics}
 
     if not extras:  # the params alone (a plain flax TrainState)
-        (_, metrics), grads = value_and_grad(loss_fn)(state.params, batch, rng)
+        (_, metrics), grads = value_and_grad(scaled_loss)(state.params, batch, rng)
         state = state.apply_gradients(grads=grads)
     else:
-        (_, metrics), (grads, new) = value_and_grad(loss_fn)((state.params, extras), batch, rng)
+        (_, metrics), (grads, new) = value_and_grad(scaled_loss)((state.params, extras),
+                                                                 batch, rng)
         before = state.opt_state
         state = state.apply_gradients(grads=grads)
         # Not through the optimizer: the state decides (e.g. kept only for an applied step).
         state = state.after_update(new, before, overflow_stats(state.opt_state).last_finite,
                                    loss_scale(state.opt_state) / scale)
     stats = overflow_stats(state.opt_state)
-    return state, dict(metrics, loss_scale=scale, grad_finite=stats.last_finite,
-                       steps_skipped=stats.steps_skipped, diverged=stats.diverged)
+    metrics = dict(metrics, loss_scale=scale, grad_finite=stats.last_finite,
+                   steps_skipped=stats.steps_skipped, diverged=stats.diverged,
+                   grad_norm=grad_stats.global_norm(grads, scale))
+    if log_num_zeros_in_grad:
+        metrics["num_zeros_in_grad"] = grad_stats.num_zeros(grads, scale)
+    return state, metrics
 
 
 def eval_step(state: train_state.TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:

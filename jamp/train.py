@@ -78,7 +78,8 @@ def mesh_value_and_grad(exp: Experiment, shardings: Any, plan: zero.Plan | None 
     if extras:  # jamp.train_step differentiates (params, extras)
         param_specs = (param_specs, spec(extras))
     return parallel.step.value_and_grad(param_specs, pipelined=exp.pipeline is not None,
-                                        plan=plan)
+                                        plan=plan, accumulate=exp.config.grad_accum_steps,
+                                        max_leaves=(False, True) if extras else None)
 
 
 def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None) -> Callable:
@@ -98,9 +99,10 @@ def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None) -> Cal
                 abstract, _ = state_shardings(exp, jax.random.key(exp.config.seed))
         plan = zero_plan(exp, abstract)
     value_and_grad = mesh_value_and_grad(exp, shardings, plan)
-    smoothing = exp.config.label_smoothing
+    smoothing, zeros = exp.config.label_smoothing, exp.config.log_num_zeros_in_grad
     return jax.jit(
-        lambda s, b, r: train_step(s, b, r, smoothing, value_and_grad),
+        lambda s, b, r: train_step(s, b, r, smoothing, value_and_grad,
+                                   log_num_zeros_in_grad=zeros),
         in_shardings=(shardings, parallel.batch_sharding(exp.mesh), None),
         out_shardings=(shardings, None), donate_argnums=(0,))
 
@@ -135,7 +137,8 @@ def step_memory_report(exp: Experiment, state: train_state.TrainState) -> Memory
 
     Example: see the module docstring.
     """
-    per_device = exp.config.batch_size // exp.mesh.shape["data"]
+    # One micro-batch's activations: gradient accumulation runs them one after another.
+    per_device = exp.config.batch_size // exp.mesh.shape["data"] // exp.config.grad_accum_steps
     images = jax.ShapeDtypeStruct((per_device, exp.config.image_size, exp.config.image_size,
                                    exp.info.image_shape[-1]), jnp.float32)
     labels = jax.ShapeDtypeStruct((per_device,), jnp.int32)
@@ -322,7 +325,10 @@ def _log(run: _Run, done: int, fetched: list[dict[str, Any]], rate: float | None
         "train/loss_scale": float(fetched[-1]["loss_scale"]),
         "train/steps_skipped": int(fetched[-1]["steps_skipped"]),
         "train/images_per_sec": rate,
+        "train/grad_norm": float(np.mean([m["grad_norm"] for m in fetched])),
     }
+    if "num_zeros_in_grad" in fetched[-1]:
+        record["train/num_zeros_in_grad"] = int(fetched[-1]["num_zeros_in_grad"])
     run.writer.write(done, record)
     run.progress.set_postfix(loss=f"{record['train/loss']:.3f}",
                              img_s="n/a" if rate is None else f"{rate:.0f}",

@@ -62,7 +62,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jamp.parallel import zero
+from jamp import grad_accum
+from jamp.parallel import pipeline, zero
 
 DATA = zero.DATA
 """The mesh axis the batch is split over."""
@@ -168,6 +169,8 @@ def value_and_grad(
     manual_axes: tuple[str, ...] = (),
     param_specs: Any = None,
     plan: zero.Plan | None = None,
+    accumulate: int = 1,
+    max_leaves: Any = None,
 ) -> Callable[..., tuple[tuple[jax.Array, Any], Any]]:
     """``jax.value_and_grad(fun, has_aux=True)`` for a batch split over ``axis_name``.
 
@@ -200,6 +203,16 @@ def value_and_grad(
         (or, under ``plan.per_layer``, inside the model's
         :class:`~jamp.parallel.zero.GatherPerLayer` runner) and returns its
         gradient split the same way. Stages 0 and 1 change nothing here.
+      accumulate: micro-batches per step (gradient accumulation, :mod:`jamp.grad_accum`).
+        Each shard runs its slice of the batch as ``accumulate`` micro-batches in a
+        ``lax.scan``, differentiating a local copy of the parameters (stage 3: the
+        leaves gathered once, in their read dtype), sums the gradients in float32, and
+        then reduces once per window: one float32 all-reduce, or at stages 2 and 3 one
+        float32 reduce-scatter. The price at stage 3 is the whole parameters (read
+        dtype) and a float32 gradient accumulator on each device for the window.
+      max_leaves: a prefix tree of bools over the differentiated tree: leaves whose
+        "gradients" combine over micro-batches by max (the fp8 delayed-scaling state,
+        reduced over the mesh by its own rule), not summed.
 
     Returns:
       ``f(params, batch, *args) -> ((value, aux), grads)``; ``grads`` are
@@ -214,8 +227,12 @@ def value_and_grad(
     if manual_axes and param_specs is None:
         raise ValueError(f"manual_axes={manual_axes} needs the parameters' param_specs.")
     stage = 0 if plan is None else plan.stage
+    accumulate = grad_accum.check_steps(accumulate)
 
     def local(params, batch, *args):
+        if accumulate > 1:
+            return _accumulated(fun, params, batch, args, axis_name=axis_name, manual=manual,
+                                plan=plan, steps=accumulate, max_leaves=max_leaves)
         rules = manual_rules(nn.get_logical_axis_rules(), manual)
         shards = jax.lax.axis_size(axis_name)
         dims = _leafwise(plan.dims if stage >= 2 else None, params)
@@ -248,7 +265,7 @@ def value_and_grad(
         if math.prod(_axis_size(a) for a in manual) == 1:
             # One shard: the reductions are the identity, and a shard_map would lower
             # its collectives without a manual region (see the module docstring).
-            return jax.value_and_grad(fun, has_aux=True)(params, batch, *args)
+            return grad_accum.value_and_grad(fun, accumulate, max_leaves)(params, batch, *args)
         specs = P()
         if manual_axes:
             specs = jax.tree_util.tree_map(
@@ -269,6 +286,60 @@ def value_and_grad(
             out_specs=((P(), P()), grad_out), axis_names=manual)(params, batch, *args)
 
     return wrapped
+
+
+def _accumulated(fun: Callable, params: Any, batch: Any, args: tuple[Any, ...], *,
+                 axis_name: str, manual: set[str], plan: zero.Plan | None, steps: int,
+                 max_leaves: Any) -> tuple[tuple[jax.Array, Any], Any]:
+    """One shard's window of ``steps`` micro-batches (inside the ``shard_map``).
+
+    The model reads a copy of the parameters marked varying over ``axis_name`` outside
+    the differentiation, so each micro-batch's gradients stay on this shard; they are
+    summed in float32 and reduced once: an all-reduce, or a reduce-scatter along the
+    plan's dims at stages 2 and 3. ``max_leaves`` (the fp8 state) are marked varying
+    inside instead: their own rule reduces them per micro-batch, and the window keeps
+    the max.
+    """
+    rules = manual_rules(nn.get_logical_axis_rules(), manual)
+    stage = 0 if plan is None else plan.stage
+    shards = jax.lax.axis_size(axis_name)
+    dims = _leafwise(plan.dims if stage >= 2 else None, params)
+    dtypes = _leafwise(plan.read_dtypes if stage == 3 else None, params)
+    maxed = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params),
+                                         grad_accum.flags_per_leaf(max_leaves, params))
+
+    def local_copy(p, d, t, m):
+        if m:
+            return p
+        if stage == 3 and d is not None:  # gathered once for the window, in its read dtype
+            p = jax.lax.all_gather(p.astype(p.dtype if t is None else t), axis_name,
+                                   axis=d, tiled=True)
+        if axis_name not in pipeline.varying_axes(p):
+            p = jax.lax.pcast(p, axis_name, to="varying")
+        return p
+
+    copies = _map(local_copy, params, dims, dtypes, maxed)
+
+    def share(p, micro, *rest):
+        p = _map(lambda x, m: _mark_varying(x, axis_name) if m else x, p, maxed)
+        with nn.logical_axis_rules(rules):
+            value, aux = fun(p, micro, *rest)
+        return value / (shards * steps), aux
+
+    (value, aux), sums = grad_accum.scan(jax.value_and_grad(share, has_aux=True), copies,
+                                         batch, args, steps, max_leaves)
+
+    def reduce(g, p, d, m):
+        if m:  # already reduced over the mesh by its own rule, combined by max
+            return g.astype(p.dtype)
+        if stage >= 2 and d is not None:
+            return jax.lax.psum_scatter(g, axis_name, scatter_dimension=d,
+                                        tiled=True).astype(p.dtype)
+        return jax.lax.psum(g, axis_name).astype(p.dtype)
+
+    grads = _map(reduce, sums, params, dims, maxed)
+    return ((_reduce(jax.lax.psum, value, axis_name),
+             _reduce(jax.lax.pmean, aux, axis_name)), grads)
 
 
 def _check_plan(params: Any, plan: zero.Plan, data_size: int) -> None:

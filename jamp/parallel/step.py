@@ -50,7 +50,8 @@ from jamp.step import LossFn, ValueAndGrad
 
 
 def value_and_grad(param_specs: Any = None, *, pipelined: bool = False,
-                   plan: zero.Plan | None = None) -> ValueAndGrad:
+                   plan: zero.Plan | None = None, accumulate: int = 1,
+                   max_leaves: Any = None) -> ValueAndGrad:
     """The ``value_and_grad`` argument of :func:`jamp.train_step` on a mesh.
 
     Each 'data' shard differentiates its share of the batch's mean loss with its
@@ -67,6 +68,11 @@ def value_and_grad(param_specs: Any = None, *, pipelined: bool = False,
       pipelined: the model runs its layers as a GPipe pipeline over 'pipe'
         (built with a :class:`jamp.parallel.pipeline.GPipe` layer runner): 'pipe'
         is then manual too and the schedule runs in place on each stage.
+      accumulate: micro-batches per step (gradient accumulation): each shard's slice
+        runs as that many micro-batches in a ``lax.scan``, gradients summed in float32
+        and reduced once per window (:mod:`jamp.grad_accum`).
+      max_leaves: prefix tree of bools: differentiated leaves combined by max over the
+        micro-batches (the fp8 state; e.g. ``(False, True)`` for ``(params, fp8)``).
 
     Returns:
       ``value_and_grad(loss_fn) -> f(params, batch, rng) -> ((value, aux), grads)``.
@@ -88,6 +94,7 @@ def value_and_grad(param_specs: Any = None, *, pipelined: bool = False,
             return loss_fn(params, batch, rng)
 
         return data_parallel.value_and_grad(shard_loss, manual_axes=manual_axes,
-                                            param_specs=param_specs, plan=plan)
+                                            param_specs=param_specs, plan=plan,
+                                            accumulate=accumulate, max_leaves=max_leaves)
 
     return transform
