@@ -11,6 +11,7 @@ Example:
 """
 
 from jamp import fp8
+from jamp.booster import Boosted, boost
 from jamp.apply import PolicyModule, apply_policy, policy_scope, to_mixed_precision
 from jamp.autocast import autocast
 from jamp.loss_scale import (
@@ -43,6 +44,8 @@ from jamp.step import eval_step, make_optimizer, train_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "Boosted",
+    "boost",
     "DynamicLossScale",
     "LossScaleConfig",
     "LossScaleDivergedError",
