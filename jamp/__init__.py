@@ -11,9 +11,9 @@ Example:
 """
 
 from jamp import fp8
-from jamp.booster import Boosted, boost
 from jamp.apply import PolicyModule, apply_policy, policy_scope, to_mixed_precision
 from jamp.autocast import autocast
+from jamp.booster import Boosted, boost
 from jamp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,

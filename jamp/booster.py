@@ -39,10 +39,11 @@ Example (ZeRO-3 over every device, a NaN batch skipped):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -154,10 +155,9 @@ def _nnx(model: nnx.Module, mp: MixedPrecision) -> _Model:
                           variables.get("nnx", nnx.to_pure_dict(rest)))
         state.train() if train else state.eval()
         if rng is not None and train and hasattr(nnx, "reseed"):
-            try:  # a model with a 'dropout' stream: this step's (and shard's) key
+            # A model with a 'dropout' stream: this step's (and shard's) key.
+            with contextlib.suppress(KeyError, ValueError, AttributeError):
                 nnx.reseed(state, dropout=rng)
-            except (KeyError, ValueError, AttributeError):
-                pass
         outputs = state(inputs, **train_kwargs(train))
         if not (mutable and train):
             return outputs, {}
@@ -514,22 +514,14 @@ def _maybe_out(shardings: Any) -> Any:
     return None if shardings is None else (shardings, None)
 
 
-class _context:  # noqa: N801  (used like a function)
-    """``jax.set_mesh(mesh)`` and jamp's logical axis rules, or nothing without a mesh."""
-
-    def __init__(self, mesh: jax.sharding.Mesh | None):
-        self.mesh = mesh
-        self.stack: list[Any] = []
-
-    def __enter__(self):
-        if self.mesh is not None:
-            for ctx in (jax.set_mesh(self.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES)):
-                ctx.__enter__()
-                self.stack.append(ctx)
-
-    def __exit__(self, *exc):
-        while self.stack:
-            self.stack.pop().__exit__(*exc)
+@contextlib.contextmanager
+def _context(mesh: jax.sharding.Mesh | None) -> Iterator[None]:
+    """``jax.set_mesh(mesh)`` and jamp's logical axis rules; nothing without a mesh."""
+    if mesh is None:
+        yield
+        return
+    with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+        yield
 
 
 def _one_device(accumulate: int, abstract: Any) -> Callable:
