@@ -62,7 +62,7 @@ from jamp.parallel.read_dtypes import read_dtypes
 from jamp.policy import MixedPrecision, to_mixed_precision
 from jamp.step import differentiated_variables, loss_scaled_step, make_optimizer
 
-__all__ = ["Boosted", "StatefulTrainState", "boost"]
+__all__ = ["Boosted", "StatefulTrainState", "assemble_step", "boost"]
 
 Key = str | int | Callable[[Any], Any]
 """Where a batch holds something: a dict key, a tuple index, or a function of the batch."""
@@ -138,7 +138,10 @@ def _linen(model: nn.Module, mp: MixedPrecision) -> _Model:
 
 def _nnx(model: nnx.Module, mp: MixedPrecision) -> _Model:
     model = apply_policy(model, mp)
-    graphdef, params, meta, rest = nnx.split(model, nnx.Param, fp8.Fp8Meta, ...)
+    # The RNG streams stay as built (each step reseeds 'dropout' with its own key); the
+    # rest of the non-parameter state (batch statistics...) is the carried model state.
+    graphdef, params, meta, streams, rest = nnx.split(model, nnx.Param, fp8.Fp8Meta,
+                                                      nnx.RngState, ...)
     train_kwargs = _train_kwargs(type(model).__call__)
 
     def init(rng, inputs):
@@ -152,6 +155,7 @@ def _nnx(model: nnx.Module, mp: MixedPrecision) -> _Model:
     def apply(variables, inputs, train, rng, mutable):
         state = nnx.merge(graphdef, nn.unbox(variables["params"]),
                           variables.get(fp8.COLLECTION, nnx.to_pure_dict(meta)),
+                          nnx.to_pure_dict(streams),
                           variables.get("nnx", nnx.to_pure_dict(rest)))
         state.train() if train else state.eval()
         if rng is not None and train and hasattr(nnx, "reseed"):
@@ -161,7 +165,7 @@ def _nnx(model: nnx.Module, mp: MixedPrecision) -> _Model:
         outputs = state(inputs, **train_kwargs(train))
         if not (mutable and train):
             return outputs, {}
-        *_, new_rest = nnx.split(state, nnx.Param, fp8.Fp8Meta, ...)
+        *_, new_rest = nnx.split(state, nnx.Param, fp8.Fp8Meta, nnx.RngState, ...)
         return outputs, {"nnx": nnx.to_pure_dict(new_rest)}
 
     return _Model(init, apply)
@@ -317,26 +321,25 @@ class Boosted:
             boxed = jax.eval_shape(create, key)
         abstract = nn.unbox(boxed)
         built: dict[str, Any] = {"create": create}
-        if self.mesh is None:
-            shardings, batch_sharding, plan = None, None, None
-            value_and_grad = _one_device(self.accumulate, abstract)
-        else:
+        shardings, batch_sharding, plan = None, None, None
+        if self.mesh is not None:
             shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), self.mesh,
                                                     parallel.LOGICAL_AXIS_RULES)
             shardings = zero.state_shardings(shardings, abstract, self.zero_stage)
             batch_sharding = parallel.batch_sharding(self.mesh)
             plan = self._plan(abstract, shardings, inputs) if self.zero_stage else None
-            extras = differentiated_variables(abstract)
-            value_and_grad = parallel.step.value_and_grad(
-                plan=plan, accumulate=self.accumulate,
-                max_leaves=(False, True) if extras else None)
-        abstract = jax.tree_util.tree_map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-            shardings) if shardings is not None else abstract
+        built["step"] = assemble_step(
+            lambda state, variables, batch, rng: self._forward_loss(state, variables, batch,
+                                                                    rng, True),
+            mesh=self.mesh, shardings=shardings, plan=plan, accumulate=self.accumulate,
+            max_leaves=(False, True) if differentiated_variables(abstract) else None,
+            log_num_zeros_in_grad=self.log_num_zeros_in_grad, finish=_keep_model_state)
+        if shardings is not None:
+            abstract = jax.tree_util.tree_map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                shardings)
         built.update(abstract=abstract, shardings=shardings, batch_sharding=batch_sharding,
-                     plan=plan, value_and_grad=value_and_grad)
-        built["step"] = jax.jit(self._step, in_shardings=_maybe(shardings, batch_sharding),
-                                out_shardings=_maybe_out(shardings), donate_argnums=(0,))
+                     plan=plan)
         built["eval"] = jax.jit(self._eval)
         built["init"] = jax.jit(lambda r: nn.unbox(create(r)), out_shardings=shardings)
         self._built.update(built)
@@ -352,8 +355,9 @@ class Boosted:
             plain = lambda tree: jax.tree_util.tree_map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
             forward = lambda p, x, e: self.model.apply({"params": p, **e}, x, False, None, {})[0]
+            readable = {**extras, **getattr(abstract, "model_state", {})}  # e.g. batch_stats
             with _context(self.mesh):
-                read = read_dtypes(forward, plain(params), inputs, plain(extras))
+                read = read_dtypes(forward, plain(params), inputs, plain(readable))
         if extras:  # the step differentiates (params, extras); extras are never split
             nothing = jax.tree_util.tree_map(lambda _: None, extras)
             dims, read = (dims, nothing), (read, nothing) if read is not None else None
@@ -477,20 +481,6 @@ class Boosted:
             metrics["_model_state"] = new_state
         return jnp.asarray(loss), metrics
 
-    def _step(self, state: Any, batch: Any, rng: jax.Array) -> tuple[Any, dict[str, Any]]:
-        loss = lambda variables, batch, rng: self._forward_loss(state, variables, batch, rng,
-                                                                True)
-        before = state
-        state, metrics = loss_scaled_step(state, batch, rng, loss,
-                                          self._built["value_and_grad"],
-                                          log_num_zeros_in_grad=self.log_num_zeros_in_grad)
-        new_model_state = metrics.pop("_model_state", None)
-        if new_model_state is not None:  # kept bit-identical by a skipped step
-            state = state.replace(model_state=optax.tree_utils.tree_where(
-                metrics["grad_finite"], new_model_state, before.model_state))
-        metrics["skipped"] = ~metrics["grad_finite"]
-        return state, metrics
-
     def _eval(self, state: Any, batch: Any) -> dict[str, Any]:
         variables = {"params": state.params, **differentiated_variables(state)}
         loss, metrics = self._forward_loss(state, variables, batch, None, False)
@@ -506,12 +496,14 @@ def _zeros(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
-def _maybe(shardings: Any, batch_sharding: Any) -> Any:
-    return None if shardings is None else (shardings, batch_sharding, None)
-
-
-def _maybe_out(shardings: Any) -> Any:
-    return None if shardings is None else (shardings, None)
+def _keep_model_state(before: Any, state: Any, metrics: dict[str, Any]
+                      ) -> tuple[Any, dict[str, Any]]:
+    """The step's new mutable collections for an applied step; bit-identical for a skip."""
+    new_model_state = metrics.pop("_model_state", None)
+    if new_model_state is not None:
+        state = state.replace(model_state=optax.tree_utils.tree_where(
+            metrics["grad_finite"], new_model_state, before.model_state))
+    return state, metrics
 
 
 @contextlib.contextmanager
@@ -524,10 +516,66 @@ def _context(mesh: jax.sharding.Mesh | None) -> Iterator[None]:
         yield
 
 
-def _one_device(accumulate: int, abstract: Any) -> Callable:
-    extras = differentiated_variables(abstract)
-    max_leaves = (False, True) if extras else None
-    return lambda fun: grad_accum.value_and_grad(fun, accumulate, max_leaves)
+def assemble_step(
+    loss_fn: Callable[..., tuple[jax.Array, dict[str, Any]]],
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    shardings: Any = None,
+    plan: zero.Plan | None = None,
+    accumulate: int = 1,
+    max_leaves: Any = None,
+    param_specs: Any = None,
+    pipelined: bool = False,
+    log_num_zeros_in_grad: bool = False,
+    finish: Callable[[Any, Any, dict[str, Any]], tuple[Any, dict[str, Any]]] | None = None,
+) -> Callable[..., tuple[Any, dict[str, Any]]]:
+    """The jitted train step: the one place jamp assembles one (:func:`boost` and ``jamp.train``).
+
+    ``loss_fn(state, variables, batch, rng) -> (loss, metrics)`` gives the unscaled
+    mean loss; the step scales it, differentiates it on ``mesh`` (data-parallel in
+    float32, ZeRO ``plan``, ``accumulate`` micro-batches, a pipeline over 'pipe'
+    when ``pipelined``: :func:`jamp.parallel.step.value_and_grad`; one device with
+    :func:`jamp.grad_accum.value_and_grad` when ``mesh`` is None), applies the update
+    through the state's loss-scaled optimizer (:func:`jamp.step.loss_scaled_step`),
+    then calls ``finish(state_before, state_after, metrics)`` if given. The state is
+    donated; on a mesh it is laid out as ``shardings`` says and the batch over 'data'.
+    Call the result under ``jax.set_mesh(mesh)`` and jamp's logical axis rules.
+
+    Returns:
+      ``step(state, batch, rng) -> (state, metrics)``; metrics as
+      :func:`jamp.step.loss_scaled_step`'s, plus ``skipped``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jamp
+      >>> from jamp.booster import assemble_step
+      >>> state = jamp.step.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+      ...                                     tx=jamp.make_optimizer("fp16", optax.sgd(0.1)))
+      >>> loss = lambda s, v, b, r: (jnp.mean(b @ v["params"]["w"]), {})
+      >>> step = assemble_step(loss, accumulate=2)
+      >>> state, metrics = step(state, jnp.ones((4, 2)), None)
+      >>> float(metrics["loss"]), bool(metrics["skipped"])
+      (2.0, False)
+    """
+    if mesh is None:
+        value_and_grad = lambda fun: grad_accum.value_and_grad(fun, accumulate, max_leaves)
+    else:
+        value_and_grad = parallel.step.value_and_grad(
+            param_specs, pipelined=pipelined, plan=plan, accumulate=accumulate,
+            max_leaves=max_leaves)
+
+    def step(state, batch, rng):
+        new, metrics = loss_scaled_step(state, batch, rng,
+                                        lambda v, b, r: loss_fn(state, v, b, r), value_and_grad,
+                                        log_num_zeros_in_grad=log_num_zeros_in_grad)
+        if finish is not None:
+            new, metrics = finish(state, new, metrics)
+        metrics["skipped"] = ~metrics["grad_finite"]
+        return new, metrics
+
+    if mesh is None:
+        return jax.jit(step, donate_argnums=(0,))
+    return jax.jit(step, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
+                   out_shardings=(shardings, None), donate_argnums=(0,))
 
 
 def boost(

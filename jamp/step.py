@@ -244,13 +244,35 @@ def train_step(
 
     Example: see the module docstring.
     """
-    def loss_fn(variables, batch, rng):
+    loss_fn = classification_loss(label_smoothing)
+    return loss_scaled_step(state, batch, rng, lambda v, b, r: loss_fn(state, v, b, r),
+                            value_and_grad, log_num_zeros_in_grad=log_num_zeros_in_grad)
+
+
+def classification_loss(label_smoothing: float = 0.0) -> Callable[..., tuple[jax.Array, dict]]:
+    """``loss(state, variables, batch, rng) -> (loss, {"accuracy": ...})`` of an image classifier.
+
+    ``state.apply_fn(variables, batch["image"], train=True, rngs={"dropout": rng})``
+    gives the logits; the loss is :func:`cross_entropy` (float32, optional label
+    smoothing). :func:`train_step` and the trainer's step (``jamp.train``, through
+    :func:`jamp.booster.assemble_step`) use it.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> from flax.training import train_state
+      >>> s = train_state.TrainState.create(apply_fn=lambda v, x, **kw: x, params={},
+      ...                                   tx=optax.sgd(0.1))
+      >>> loss, m = classification_loss()(s, {}, {"image": jnp.zeros((2, 4)),
+      ...                                          "label": jnp.array([0, 1])}, None)
+      >>> round(float(loss), 4), float(m["accuracy"])
+      (1.3863, 0.5)
+    """
+    def loss_fn(state, variables, batch, rng):
         logits = state.apply_fn(variables, batch["image"], train=True, rngs={"dropout": rng})
         loss = cross_entropy(logits, batch["label"], label_smoothing)
         return loss, {"accuracy": jnp.mean(correct_predictions(logits, batch["label"]))}
 
-    return loss_scaled_step(state, batch, rng, loss_fn, value_and_grad,
-                            log_num_zeros_in_grad=log_num_zeros_in_grad)
+    return loss_fn
 
 
 StepLossFn = Callable[[dict[str, Any], Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]

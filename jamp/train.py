@@ -40,6 +40,7 @@ from flax.training import train_state
 from tqdm import tqdm
 
 from jamp import data, parallel, run_summary
+from jamp.booster import assemble_step
 from jamp.checkpoint import Checkpointer
 from jamp.experiment import (
     Config,
@@ -56,35 +57,47 @@ from jamp.preemption import Preempted, StopOnSignal
 from jamp.run_summary import NonFiniteLossError  # noqa: F401  (jamp.train.NonFiniteLossError)
 from jamp.step import (
     ValueAndGrad,
+    classification_loss,
     cross_entropy,
     differentiated_variables,
     eval_step,
-    train_step,
 )
 
 # ----------------------------------------------------------------------------- the step
 
 
-def mesh_value_and_grad(exp: Experiment, shardings: Any, plan: zero.Plan | None = None
-                        ) -> ValueAndGrad:
-    """The gradient function of the train step on ``exp.mesh`` (:mod:`jamp.parallel.step`);
-    ``plan``: the ZeRO stage's (:func:`jamp.experiment.zero_plan`).
+def param_specs(exp: Experiment, shardings: Any) -> Any:
+    """The differentiated tree's mesh ``PartitionSpec``s without 'data' (the pipeline's
+    manual 'pipe' splits): the params', and the fp8 state's beside them.
 
     Example: see the module docstring (:func:`jit_train_step` steps with it).
     """
     spec = lambda tree: jax.tree_util.tree_map(lambda s: zero.without_data(s.spec), tree)
-    param_specs = spec(shardings.params)
     extras = differentiated_variables(shardings)  # e.g. the fp8 state, beside the params
-    if extras:  # jamp.train_step differentiates (params, extras)
-        param_specs = (param_specs, spec(extras))
-    return parallel.step.value_and_grad(param_specs, pipelined=exp.pipeline is not None,
-                                        plan=plan, accumulate=exp.config.grad_accum_steps,
+    return (spec(shardings.params), spec(extras)) if extras else spec(shardings.params)
+
+
+def mesh_value_and_grad(exp: Experiment, shardings: Any, plan: zero.Plan | None = None
+                        ) -> ValueAndGrad:
+    """The gradient function of the train step on ``exp.mesh`` (:mod:`jamp.parallel.step`);
+    ``plan``: the ZeRO stage's (:func:`jamp.experiment.zero_plan`). The same one
+    :func:`jit_train_step` builds (through :func:`jamp.booster.assemble_step`).
+
+    Example: see the module docstring (:func:`jit_train_step` steps with it).
+    """
+    extras = differentiated_variables(shardings)
+    return parallel.step.value_and_grad(param_specs(exp, shardings),
+                                        pipelined=exp.pipeline is not None, plan=plan,
+                                        accumulate=exp.config.grad_accum_steps,
                                         max_leaves=(False, True) if extras else None)
 
 
 def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None) -> Callable:
     """``step(state, batch, rng) -> (state, metrics)``: the jitted data/tensor/pipeline step.
 
+    Built by :func:`jamp.booster.assemble_step` (the one place jamp assembles a step, as
+    ``jamp.boost`` does) from the experiment: the classification loss, the mesh, the
+    ZeRO plan, gradient accumulation and the fp8 state's max-combination.
     Call it under ``jax.set_mesh(exp.mesh)`` and ``nn.logical_axis_rules(
     parallel.LOGICAL_AXIS_RULES)``; the state argument is donated. ``abstract`` is the
     state :func:`~jamp.experiment.state_shardings` returned with ``shardings`` (needed
@@ -98,13 +111,13 @@ def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None) -> Cal
             with nn.logical_axis_rules(()):
                 abstract, _ = state_shardings(exp, jax.random.key(exp.config.seed))
         plan = zero_plan(exp, abstract)
-    value_and_grad = mesh_value_and_grad(exp, shardings, plan)
-    smoothing, zeros = exp.config.label_smoothing, exp.config.log_num_zeros_in_grad
-    return jax.jit(
-        lambda s, b, r: train_step(s, b, r, smoothing, value_and_grad,
-                                   log_num_zeros_in_grad=zeros),
-        in_shardings=(shardings, parallel.batch_sharding(exp.mesh), None),
-        out_shardings=(shardings, None), donate_argnums=(0,))
+    extras = differentiated_variables(shardings)
+    return assemble_step(
+        classification_loss(exp.config.label_smoothing), mesh=exp.mesh, shardings=shardings,
+        plan=plan, accumulate=exp.config.grad_accum_steps,
+        max_leaves=(False, True) if extras else None,
+        param_specs=param_specs(exp, shardings), pipelined=exp.pipeline is not None,
+        log_num_zeros_in_grad=exp.config.log_num_zeros_in_grad)
 
 
 # ----------------------------------------------------------------------------- running
