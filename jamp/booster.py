@@ -62,7 +62,7 @@ from jamp.parallel.read_dtypes import read_dtypes
 from jamp.policy import MixedPrecision, to_mixed_precision
 from jamp.step import differentiated_variables, loss_scaled_step, make_optimizer
 
-__all__ = ["Boosted", "StatefulTrainState", "assemble_step", "boost"]
+__all__ = ["Boosted", "PytreeTrainState", "StatefulTrainState", "assemble_step", "boost"]
 
 Key = str | int | Callable[[Any], Any]
 """Where a batch holds something: a dict key, a tuple index, or a function of the batch."""
@@ -86,6 +86,32 @@ class StatefulTrainState(train_state.TrainState):
     """
 
     model_state: Any = struct.field(default_factory=dict)
+
+
+class PytreeTrainState(train_state.TrainState):
+    """A flax ``TrainState`` whose params may be any pytree (an Equinox model's arrays...).
+
+    flax's ``apply_gradients`` looks for a key in the params, so they must be a mapping;
+    this one applies the optimizer to whatever pytree the params are.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> s = PytreeTrainState.create(apply_fn=None, params=(jnp.ones(2),), tx=optax.sgd(1.0))
+      >>> s.apply_gradients(grads=(jnp.ones(2),)).params[0].tolist()
+      [0.0, 0.0]
+    """
+
+    @classmethod
+    def create(cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation,
+               **kwargs: Any) -> PytreeTrainState:
+        """The state at step 0: ``tx.init(params)``."""
+        return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=tx.init(params),
+                   **kwargs)
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> PytreeTrainState:
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
+                            opt_state=opt_state, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +328,8 @@ class Boosted:
                     "mixed_precision='fp8_current' (no state).")
             return StatefulTrainState.create(apply_fn=apply_fn, params=params,
                                              tx=self.optimizer, model_state=mutable)
+        if not isinstance(params, Mapping):  # e.g. an Equinox model's arrays
+            return PytreeTrainState.create(apply_fn=apply_fn, params=params, tx=self.optimizer)
         if self.precision.fp8 is not None:
             return self.precision.fp8.strategy.create_train_state(
                 apply_fn=apply_fn, params=params, tx=self.optimizer, variables=extras)

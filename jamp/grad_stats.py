@@ -68,4 +68,4 @@ def global_norm(grads: Any, scale: jax.Array | float = 1.0) -> jax.Array:
       5.0
     """
     inv = 1.0 / jnp.asarray(scale, jnp.float32)
-    return optax.global_norm([_unscaled(x, inv) for x in _floating(grads)])
+    return optax.tree_utils.tree_norm([_unscaled(x, inv) for x in _floating(grads)])
