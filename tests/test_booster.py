@@ -246,6 +246,8 @@ def test_bad_batches_and_calls_are_one_clear_error(tmp_path):
         jamp.boost(42, optax.sgd(0.1), loss_fn)
     with pytest.raises(ValueError, match="params="):
         jamp.boost(lambda p, x: x, optax.sgd(0.1), loss_fn)
+    with pytest.warns(UserWarning, match="'data' axis has 1 device splits nothing"):
+        jamp.boost(MLP, optax.sgd(0.1), loss_fn, mesh={"data": 1, "model": 8}, zero_stage=2)
     plain = jamp.boost(MLP, optax.sgd(0.1), loss_fn)
     plain.init(jax.random.key(0), BATCH)
     with pytest.raises(ValueError, match="No checkpoint"):

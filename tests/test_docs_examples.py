@@ -53,9 +53,22 @@ def test_zero_own_loop_splits_state_per_stage_and_trains_the_same():
     runs = {stage: example.main(steps=4, stage=stage) for stage in (0, 1, 2, 3)}
     split, whole = P(None, "data"), P()
     assert [runs[s]["master_or_mu_spec"] for s in range(4)] == [whole, split, split, split]
-    assert [runs[s]["grad_spec"] for s in range(4)] == [whole, whole, split, split]
     assert [runs[s]["param_spec"] for s in range(4)] == [whole, whole, whole, split]
     for stage in (1, 2, 3):  # the NaN batch skipped on every stage; the same losses
         assert runs[stage]["skipped"] == runs[0]["skipped"] == [0, 1, 1, 1]
         assert runs[stage]["losses"][2:] == pytest.approx(runs[0]["losses"][2:], rel=1e-6)
         assert runs[stage]["loss_scale"] == runs[0]["loss_scale"]
+
+
+def test_the_readme_ten_lines_run_and_print_what_they_say(capsys):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Ten lines"):readme.index("## Where to read on")]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.split("\n")[:2]
+    promised = [line.split(":")[0].lstrip("# ") for line in code.splitlines()
+                if line.startswith("# True") or line.startswith("# False")]
+    assert printed == promised == ["True 65536.0 1", "False 32768.0 1"]

@@ -487,9 +487,11 @@ def test_float32_trajectories_equal_stage_0(stage):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p), jax.tree_util.tree_leaves(p0),
                             strict=True):
         # The key bias cannot change the attention (softmax is shift-invariant): its gradient
-        # is float32 roundoff, summed in another order, which Adam scales to lr-sized steps.
+        # is float32 roundoff, summed in another order (any change to the step's fusions
+        # moves it), which Adam scales to steps of up to lr each: only that bound holds.
         noise = "key_bias" in jax.tree_util.keystr(path)
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4 if noise else 1e-6,
+        bound = setup("fp32", MESH, stage)[0].config.learning_rate * len(m)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=bound if noise else 1e-6,
                                    err_msg=jax.tree_util.keystr(path))
 
 

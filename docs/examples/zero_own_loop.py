@@ -1,23 +1,18 @@
-"""ZeRO-3 (FSDP) in your own training loop: jamp's loss scale on parameters split over 'data'.
+"""ZeRO-3 (FSDP) in your own training loop: one ``jamp.boost`` call does the set-up.
 
-The model is any Flax module under a jamp policy; the optimizer any optax one wrapped
-by ``jamp.make_optimizer``. ZeRO adds three lines: the plan, and the shardings of the
-parameters and of the optimizer state. Run with several devices (e.g.
+The model is any Flax module (the fp16 policy is applied for you), the optimizer any
+optax one (the loss scale wraps it). ``jamp.boost`` finds the dtype each parameter is
+read in, plans the split, places parameters and optimizer state over 'data', and jits
+the step with the state donated. Run with several devices (e.g.
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` on a CPU).
 """
-
-import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import jamp
-from jamp.parallel import data_parallel, make_mesh, zero
-from jamp.parallel.read_dtypes import read_dtypes
 
 
 class MLP(nn.Module):
@@ -28,50 +23,24 @@ class MLP(nn.Module):
 
 
 def main(steps: int = 5, stage: int = 3) -> dict:
-    mesh = make_mesh({"data": -1})
-    model = jamp.apply_policy(MLP(), "fp16")
     x = jax.random.normal(jax.random.key(0), (32, 16))
     y = jax.random.randint(jax.random.key(1), (32,), 0, 8)
-    params = model.init(jax.random.key(2), x)["params"]
-    tx = jamp.make_optimizer("fp16", optax.adamw(1e-2))
+    loss_fn = lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    boosted = jamp.boost(MLP(), optax.adamw(1e-2), loss_fn, "fp16", mesh={"data": -1},
+                         zero_stage=stage)
+    state = boosted.init(jax.random.key(2), (x, y))
 
-    # ZeRO: what to split, and in which dtype each parameter is gathered (float16
-    # kernels, float32 LayerNorm: what the policied model reads).
-    dtypes = read_dtypes(lambda p, x: model.apply({"params": p}, x), params, x)
-    plan = zero.make_plan(stage, params, mesh, read_dtypes=dtypes)
-    whole = lambda tree: jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), tree)
-    param_shardings = zero.shardings(params, mesh) if stage == 3 else whole(params)
-    opt_state_shape = jax.eval_shape(tx.init, params)
-    opt_shardings = zero.shardings(opt_state_shape, mesh) if stage else whole(opt_state_shape)
-    with jax.set_mesh(mesh):
-        params = jax.device_put(params, param_shardings)
-        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-
-        @functools.partial(jax.jit, out_shardings=(param_shardings, opt_shardings, None, None))
-        def train_step(params, opt_state, batch):
-            def loss_fn(p, batch):
-                logits = model.apply({"params": p}, batch["x"])
-                loss = optax.softmax_cross_entropy_with_integer_labels(
-                    logits.astype(jnp.float32), batch["y"]).mean()
-                return jamp.scale_loss(loss, opt_state), loss
-
-            (_, loss), grads = data_parallel.value_and_grad(loss_fn, plan=plan)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss, grads
-
-        losses, skipped = [], []
-        for i in range(steps):
-            xs = x.at[0, 0].set(jnp.nan) if i == 1 else x  # one poisoned batch: skipped
-            params, opt_state, loss, grads = train_step(params, opt_state, {"x": xs, "y": y})
-            losses.append(float(loss))
-            skipped.append(int(jamp.overflow_stats(opt_state).steps_skipped))
-    kernel = "Dense_0"
-    return {"losses": losses, "skipped": skipped,
-            "grad_spec": grads[kernel]["kernel"].sharding.spec,
-            "param_spec": params[kernel]["kernel"].sharding.spec,
-            "master_or_mu_spec": [x.sharding.spec for x in jax.tree_util.tree_leaves(opt_state)
-                                  if x.shape == params[kernel]["kernel"].shape][0],
-            "loss_scale": float(jamp.loss_scale(opt_state))}
+    losses, skipped = [], []
+    for i in range(steps):
+        xs = x.at[0, 0].set(jnp.nan) if i == 1 else x  # one poisoned batch: skipped
+        state, metrics = boosted.step(state, (xs, y))
+        losses.append(float(metrics["loss"]))
+        skipped.append(int(metrics["steps_skipped"]))
+    kernel = state.params["Dense_0"]["kernel"]
+    return {"losses": losses, "skipped": skipped, "param_spec": kernel.sharding.spec,
+            "master_or_mu_spec": [a.sharding.spec for a in jax.tree_util.tree_leaves(
+                state.opt_state) if a.shape == kernel.shape][0],
+            "loss_scale": float(jamp.loss_scale(state.opt_state))}
 
 
 if __name__ == "__main__":
