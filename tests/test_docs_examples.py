@@ -72,3 +72,21 @@ def test_the_readme_ten_lines_run_and_print_what_they_say(capsys):
     promised = [line.split(":")[0].lstrip("# ") for line in code.splitlines()
                 if line.startswith("# True") or line.startswith("# False")]
     assert printed == promised == ["True 65536.0 1", "False 32768.0 1"]
+
+
+def test_the_zero_guide_code_runs():
+    import pathlib
+    import re
+
+    import jax
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    guide = (pathlib.Path(__file__).parents[1] / "docs/guides/zero.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    assert blocks
+    for code in blocks:
+        scope: dict = {}
+        exec(compile(code, "docs/guides/zero.md", "exec"), scope)
+    kernel = scope["state"].params["layers_0"]["kernel"]
+    assert "data" in str(kernel.sharding.spec) and not bool(scope["metrics"]["skipped"])
