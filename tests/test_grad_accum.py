@@ -106,9 +106,12 @@ def _assert_same_params(p, p0, what):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p), jax.tree_util.tree_leaves(p0),
                             strict=True):
         # The key bias cannot change the attention (softmax is shift-invariant): its gradient
-        # is float32 roundoff, summed in another order, which Adam scales to lr-sized steps.
-        noise = "key_bias" in jax.tree_util.keystr(path)
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4 if noise else 1e-6,
+        # is float32 roundoff, summed in another order, which Adam scales to lr-sized steps
+        # of either sign (lr 1e-2, 3 steps).
+        if "key_bias" in jax.tree_util.keystr(path):
+            assert np.max(np.abs(a)) <= 0.031 and np.max(np.abs(b)) <= 0.031
+            continue
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
                                    err_msg=f"{what} {jax.tree_util.keystr(path)}")
 
 
@@ -237,7 +240,7 @@ def test_micro_batch_gradients_that_overflow_float16_only_in_a_half_sum():
     """Shares 40000, 40000, -30000, -30000 (each fits float16): a float16 running sum hits inf
     at 80000; the float32 sum is 20000, which fits."""
     x = np.array([40000.0, 40000.0, -30000.0, -30000.0], np.float32) * 4
-    loss = lambda w, b: (jnp.mean(b["x"] * w.astype(jnp.float32)), {})
+    loss = lambda w, b: (jnp.mean(b["x"] * w["w"].astype(jnp.float32)), {})
     (_, _), g = jax.jit(grad_accum.value_and_grad(loss, 4))(
         {"w": jnp.float16(1.0)}, {"x": x})
     assert float(g["w"]) == 20000.0
@@ -443,7 +446,7 @@ def test_check_steps_refuses_what_is_not_a_positive_int(steps):
 
 def test_check_steps_names_a_divisor_and_a_batch():
     with pytest.raises(ValueError, match=r"accumulate=3 does not divide the batch of 64 .*"
-                                         r"accumulate=4\) or a batch that is a multiple of 3"):
+                                         r"accumulate=2\) or a batch that is a multiple of 3"):
         grad_accum.check_steps(3, 64)
     f = grad_accum.value_and_grad(lambda w, b: (jnp.mean(b["x"] * w), {}), 3)
     with pytest.raises(ValueError, match="does not divide the batch of 8"):
