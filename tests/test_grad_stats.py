@@ -72,12 +72,20 @@ def test_num_zeros_in_grad_counts_each_element_once_on_every_mesh_and_stage(mesh
     total = sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(params[0]))
     counts = []
     for m, p, batch in zip(metrics, params, host_batches(), strict=True):
-        want = _numpy_zeros(_reference_grad()(p, batch))
-        assert int(m["num_zeros_in_grad"]) == want, (mesh, stage, len(counts))
+        grads = _reference_grad()(p, batch)
+        want = _numpy_zeros(grads)
+        # The key bias cannot change the attention (softmax is shift-invariant): its gradient
+        # is float32 roundoff, which may be exactly 0 on one device or after another order of
+        # summation. Every other leaf's zeros are counted exactly.
+        bias = grads["encoder"]["layers"]["SelfAttention_0"]["key_bias"]
+        other = want - _numpy_zeros(bias)
+        got = int(m["num_zeros_in_grad"])
+        assert other <= got <= other + np.size(bias), (mesh, stage, len(counts), got, want)
         counts.append(want)
     head = params[0]["head"]
     # First step: only the head (zero-initialised) gets non-zero gradients.
     assert counts[0] == total - np.size(head["kernel"]) - np.size(head["bias"]), counts
+    assert int(metrics[0]["num_zeros_in_grad"]) == counts[0]  # exactly, key bias included
     assert 0 < counts[1] < total // 4, counts  # later: the patch kernel's first row (zeros)
 
 
@@ -116,7 +124,9 @@ def test_num_zeros_and_global_norm_match_numpy(leaves, scale):
     zeros, norm = _reference(arrays, scale)
     assert int(grad_stats.num_zeros(tree, jnp.float32(scale))) == zeros
     got = float(grad_stats.global_norm(tree, jnp.float32(scale)))
-    if np.isfinite(norm):
+    if np.isfinite(norm) and norm < 1e-18:  # the float32 squares underflow: 0 or tiny
+        assert 0.0 <= got <= 1e-18
+    elif np.isfinite(norm):
         np.testing.assert_allclose(got, norm, rtol=1e-5, atol=1e-30)
     else:
         assert not np.isfinite(got)
