@@ -95,12 +95,14 @@ DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32]
 
 
 def _reference(leaves, scale):
-    """Exactly-zero (or subnormal: XLA flushes them) elements of leaf * (1 / scale) in f32;
-    the float32 norm of the unscaled leaves."""
+    """The exactly-zero (or float32-subnormal, before or after: XLA:CPU flushes them)
+    elements of leaf * (1 / scale) in float32; the norm of the unscaled leaves."""
     inv = np.float32(1) / np.float32(scale)
     zeros, squares = 0, 0.0
     for x in leaves:
-        u = np.asarray(x).astype(np.float32) * inv
+        wide = np.asarray(x).astype(np.float32)
+        wide = np.where(np.abs(wide) < np.finfo(np.float32).tiny, 0, wide)  # flushed as well
+        u = wide * inv
         zeros += int(np.count_nonzero(np.abs(u) < np.finfo(np.float32).tiny))
         squares += float(np.sum(u.astype(np.float64) ** 2))
     return zeros, np.sqrt(squares)
