@@ -113,6 +113,9 @@ def test_python_api_short_run_writes_metrics_checkpoint_summary_and_plot(finishe
     train = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in train] == [5, 10, 12]
     assert all(np.isfinite(r["train/loss"]) for r in train)
+    # grad_norm always; num_zeros_in_grad only with log_num_zeros_in_grad=True (it is False
+    # here; tests/test_grad_stats.py runs it on).
+    assert all(r["train/grad_norm"] > 0 and "train/num_zeros_in_grad" not in r for r in train)
     assert any("eval/accuracy" in r for r in records)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10", "12"]
     assert len(_events(tmp_path)) == 1
