@@ -627,7 +627,7 @@ MULTI_HP = {2: dict(hysteresis=1, interval=2), 3: dict(hysteresis=2, interval=3)
 COEFFS = {2: [[1.0, 2.0], [0.5, 4.0]], 3: [[1.0, 2.0], [0.5, 4.0], [2.0, 0.25]]}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def multi_runner(k, dtype_name):
     hp = MULTI_HP[k]
     tx = DynamicLossScale(optax.sgd(0.5), init_scale=2.0**4, growth_interval=hp["interval"],
