@@ -1,14 +1,20 @@
 """Tests for jamp.loss_scale: scale rules, exact skips, composition, helpers, errors."""
 
 
+import functools
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jamp.loss_scale import (
     DynamicLossScale,
+    LossScaleConfig,
     LossScaleDivergedError,
     LossScaleState,
     NoOpLossScale,
@@ -22,6 +28,8 @@ from jamp.loss_scale import (
 )
 
 PARAMS = {"w": jnp.zeros((2,), jnp.float32)}
+# The module itself (jamp.loss_scale the attribute is the function of that name).
+loss_scale_module = importlib.import_module("jamp.loss_scale")
 
 
 def trajectory(tx, flags, params=PARAMS):
@@ -522,3 +530,411 @@ def test_inner_state_keeps_its_dtypes_with_half_precision_params():
     assert before == after
     assert state.inner_state[0].mu["w"].dtype == jnp.float16
     assert float(state.inner_state[0].mu["w"][0]) != 0.0  # the step was applied
+
+
+# --------------------------------------------------------------------------- several losses
+#
+# apex's num_losses / loss_id: one scale per loss. Gradients of loss i are unscaled by
+# scale i and checked on their own; the step is skipped if any loss overflowed; each
+# scale moves by its own flag only (a finite loss counts a finite step even when another
+# loss overflowed: apex's LossScaler.update_scale runs per loss_id).
+
+POISON = (None, np.inf, -np.inf, np.nan)  # code 0: finite, 1: inf, 2: -inf, 3: NaN
+MULTI_PARAMS = {"w": jnp.zeros((2,), jnp.float32)}
+
+
+def multi_reference(codes, *, init, growth, backoff, interval, hysteresis, min_scale, max_scale,
+                    lr, coeffs):
+    """Pure-python rule for k losses: per-loss Megatron/torch rule, skip if any overflowed.
+
+    Loss i's gradient (unscaled) is ``coeffs[i]``; SGD with rate ``lr``. Returns per step
+    the scales, growth trackers, hysteresis trackers [k], applied, steps_skipped, params.
+    """
+    f32 = np.float32
+    k = len(coeffs)
+    scale = [f32(init)] * k
+    gt, ht = [0] * k, [hysteresis] * k
+    params, skipped = np.zeros(2, f32), 0
+    out = []
+    for code in codes:
+        finite = [c == 0 for c in code]
+        applied = all(finite)
+        if applied:
+            total = functools.reduce(np.add, [np.asarray(c, f32) for c in coeffs])
+            params = (params + (-f32(lr)) * total).astype(f32)
+        else:
+            skipped += 1
+        for i in range(k):
+            if not finite[i]:
+                gt[i] = 0
+                ht[i] = max(ht[i] - 1, 0)
+                if ht[i] <= 0:
+                    scale[i] = max(f32(scale[i] * f32(backoff)), f32(min_scale))
+            else:
+                gt[i] += 1
+                if gt[i] == interval:
+                    gt[i], ht[i] = 0, hysteresis
+                    scale[i] = min(f32(scale[i] * f32(growth)), f32(max_scale))
+        out.append((list(scale), list(gt), list(ht), applied, skipped, params.copy()))
+    return out
+
+
+def multi_scan(tx, coeffs, dtype=jnp.float32, params=MULTI_PARAMS):
+    """A jitted run of ``tx`` (num_losses=len(coeffs)) over per-step, per-loss poison codes.
+
+    Loss i is ``sum(w * coeffs[i])``; its gradient comes from ``jax.grad`` of
+    ``scale_loss(loss_i, state, loss_id=i)``, cast to ``dtype``, with element ``i % 2``
+    replaced by the poison of ``code[i]``.
+    """
+    k = len(coeffs)
+    poison = jnp.asarray([0.0, np.inf, -np.inf, np.nan], jnp.float32)
+    coeffs = jnp.asarray(coeffs, jnp.float32)
+
+    def body(carry, code):
+        p, state = carry
+        trees = []
+        for i in range(k):
+            g = jax.grad(lambda q, i=i: scale_loss(jnp.sum(q["w"] * coeffs[i]), state,
+                                                   loss_id=i))(p)["w"]
+            g = g.at[i % 2].set(jnp.where(code[i] > 0, poison[code[i]], g[i % 2]))
+            trees.append({"w": g.astype(dtype)})
+        updates, state = tx.update(tuple(trees), state, p)
+        p = optax.apply_updates(p, updates)
+        applied = jnp.any(updates["w"] != 0)
+        return (p, state), (state.scale, state.growth_tracker, state.hysteresis_tracker,
+                            applied, state.steps_skipped, p["w"])
+
+    return jax.jit(lambda x: jax.lax.scan(body, (params, tx.init(params)), x))
+
+
+def multi_trajectory(tx, codes, coeffs, dtype=jnp.float32, params=MULTI_PARAMS):
+    """Runs :func:`multi_scan` on ``codes``: the per-step outputs as numpy, the final state."""
+    (_, state), out = multi_scan(tx, coeffs, dtype, params)(jnp.asarray(codes, jnp.int32))
+    return [np.asarray(x) for x in out], state
+
+
+def assert_matches_reference(out, ref):
+    scales, gts, hts, applied, skipped, params = out
+    np.testing.assert_array_equal(scales, np.asarray([r[0] for r in ref], np.float32))
+    np.testing.assert_array_equal(gts, np.asarray([r[1] for r in ref]))
+    np.testing.assert_array_equal(hts, np.asarray([r[2] for r in ref]))
+    np.testing.assert_array_equal(applied, np.asarray([r[3] for r in ref]))
+    np.testing.assert_array_equal(skipped, np.asarray([r[4] for r in ref]))
+    np.testing.assert_array_equal(params, np.asarray([r[5] for r in ref], np.float32))
+
+
+MULTI_HP = {2: dict(hysteresis=1, interval=2), 3: dict(hysteresis=2, interval=3)}
+COEFFS = {2: [[1.0, 2.0], [0.5, 4.0]], 3: [[1.0, 2.0], [0.5, 4.0], [2.0, 0.25]]}
+
+
+@functools.cache
+def multi_runner(k, dtype_name):
+    hp = MULTI_HP[k]
+    tx = DynamicLossScale(optax.sgd(0.5), init_scale=2.0**4, growth_interval=hp["interval"],
+                          hysteresis=hp["hysteresis"], min_scale=2.0**-2, max_scale=2.0**9,
+                          num_losses=k)
+    dtype = jnp.dtype(dtype_name)
+    return multi_scan(tx, COEFFS[k], dtype)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    k=st.sampled_from([2, 3]),
+    dtype_name=st.sampled_from(["float16", "bfloat16", "float32"]),
+    data=st.data(),
+)
+def test_multi_loss_property_matches_python_reference(k, dtype_name, data):
+    # Fixed length so that every (k, dtype) compiles once; overflow patterns are drawn
+    # with a bias towards finite steps so that growth happens too.
+    code = st.sampled_from([0, 0, 0, 1, 2, 3])
+    codes = data.draw(st.lists(st.lists(code, min_size=k, max_size=k), min_size=16, max_size=16))
+    hp = MULTI_HP[k]
+    ref = multi_reference(codes, init=2.0**4, growth=2.0, backoff=0.5, interval=hp["interval"],
+                          hysteresis=hp["hysteresis"], min_scale=2.0**-2, max_scale=2.0**9,
+                          lr=0.5, coeffs=COEFFS[k])
+    _, out = multi_runner(k, dtype_name)(jnp.asarray(codes, jnp.int32))
+    assert_matches_reference([np.asarray(x) for x in out], ref)
+
+
+def test_multi_loss_hysteresis_by_hand():
+    # k=2, hysteresis 2, growth every 2 finite steps of that loss, init 16.
+    tx = DynamicLossScale(optax.sgd(0.5), init_scale=16.0, growth_interval=2, hysteresis=2,
+                          min_scale=1.0, num_losses=2)
+    codes = [[1, 0],   # loss 0 spends one hysteresis (no back-off); loss 1 counts 1; skipped
+             [3, 0],   # loss 0 backs off 16 -> 8; loss 1 grows 16 -> 32 although skipped
+             [0, 2],   # loss 1 spends hysteresis; loss 0 counts 1; skipped
+             [0, 0],   # loss 0 grows 8 -> 16 (hysteresis reset); loss 1 counts 1; applied
+             [0, 1],   # loss 1 backs off 32 -> 16 (its hysteresis was 1); skipped
+             [0, 0]]   # loss 0 grows 16 -> 32 (2nd finite in a row); loss 1 counts; applied
+    expected_scales = [[16, 16], [8, 32], [8, 32], [16, 32], [16, 16], [32, 16]]
+    expected_growth = [[0, 1], [0, 0], [1, 0], [0, 1], [1, 0], [0, 1]]
+    expected_hyst = [[1, 2], [0, 2], [0, 1], [2, 1], [2, 0], [2, 0]]
+    expected_applied = [False, False, False, True, False, True]
+    (scales, gts, hts, applied, skipped, params), state = multi_trajectory(
+        tx, codes, COEFFS[2])
+    np.testing.assert_array_equal(scales, np.asarray(expected_scales, np.float32))
+    np.testing.assert_array_equal(gts, expected_growth)
+    np.testing.assert_array_equal(hts, expected_hyst)
+    np.testing.assert_array_equal(applied, expected_applied)
+    np.testing.assert_array_equal(skipped, [1, 2, 3, 3, 4, 4])
+    # two applied steps of -0.5 * (c0 + c1) = -0.5 * [1.5, 6]
+    np.testing.assert_array_equal(params[-1], np.asarray([-1.5, -6.0], np.float32))
+    assert state.scale.shape == (2,) and state.steps_skipped.shape == ()
+    assert bool(state.last_finite)
+
+
+def test_multi_loss_state_layout_and_helpers():
+    tx = DynamicLossScale(optax.adam(1e-3), init_scale=2.0**8, hysteresis=3, num_losses=3)
+    state = tx.init(MULTI_PARAMS)
+    assert isinstance(state, LossScaleState)
+    for field in ("scale", "growth_tracker", "hysteresis_tracker"):
+        assert getattr(state, field).shape == (3,)
+    assert state.scale.dtype == jnp.float32 and state.growth_tracker.dtype == jnp.int32
+    np.testing.assert_array_equal(state.hysteresis_tracker, [3, 3, 3])
+    for field in ("steps_skipped", "consecutive_overflows", "last_finite",
+                  "min_scale_overflows", "diverged"):
+        assert getattr(state, field).shape == ()
+    assert loss_scale(state).shape == (3,)
+    assert loss_scale(state, loss_id=1).shape == ()
+    assert float(scale_loss(jnp.asarray(2.0, jnp.bfloat16), state, loss_id=2)) == 512.0
+    assert scale_loss(jnp.asarray(2.0, jnp.bfloat16), state, loss_id=2).dtype == jnp.float32
+    # one loss: unchanged scalar shapes
+    one = DynamicLossScale(optax.adam(1e-3), num_losses=1).init(MULTI_PARAMS)
+    assert one.scale.shape == () and loss_scale(one, loss_id=0).shape == ()
+
+
+def test_multi_loss_skip_is_exact_and_sums_unscaled_gradients():
+    params = {"w": jnp.asarray([1.0, -0.0, 3.0])}
+    tx = DynamicLossScale(optax.adam(1e-2), init_scale=2.0**4, num_losses=2)
+    state = tx.init(params)
+    g0 = {"w": jnp.asarray([16.0, 32.0, 48.0])}   # unscaled: [1, 2, 3]
+    good = {"w": jnp.asarray([8.0, 16.0, 0.0])}   # unscaled: [.5, 1, 0]
+    bad = {"w": jnp.asarray([8.0, jnp.nan, 0.0])}
+    updates, skipped = jax.jit(tx.update)((g0, bad), state, params)
+    assert bits(skipped.inner_state) == bits(state.inner_state)
+    assert bits(optax.apply_updates(params, updates)) == bits(params)
+    updates, stepped = jax.jit(tx.update)((g0, good), state, params)
+    _, inner = optax.adam(1e-2).update({"w": jnp.asarray([1.5, 3.0, 3.0])},
+                                       optax.adam(1e-2).init(params), params)
+    assert bits(stepped.inner_state) == bits(inner)
+    # the bare form: zeros on overflow, the sum otherwise
+    bare = DynamicLossScale(init_scale=2.0**4, num_losses=2)
+    u, _ = bare.update((g0, good), bare.init(params))
+    np.testing.assert_array_equal(u["w"], [1.5, 3.0, 3.0])
+    u, _ = bare.update((g0, bad), bare.init(params))
+    np.testing.assert_array_equal(u["w"], [0.0, 0.0, 0.0])
+
+
+def test_multi_loss_divergence_counts_only_when_every_overflowing_loss_is_at_min():
+    tx = DynamicLossScale(optax.sgd(0.1), init_scale=2.0, min_scale=1.0, num_losses=2,
+                          divergence_steps=3)
+    state = tx.init(MULTI_PARAMS)
+    inf = {"w": jnp.full((2,), jnp.inf)}
+    ok = {"w": jnp.ones(2)}
+    step = jax.jit(tx.update)
+    _, state = step((inf, ok), state, MULTI_PARAMS)   # loss 0: 2 -> 1, not yet at min
+    assert int(state.min_scale_overflows) == 0
+    _, state = step((inf, ok), state, MULTI_PARAMS)   # loss 0 at min
+    assert int(state.min_scale_overflows) == 1
+    _, state = step((ok, inf), state, MULTI_PARAMS)   # loss 1 at 2: can still back off
+    assert int(state.min_scale_overflows) == 0
+    _, state = step((inf, ok), state, MULTI_PARAMS)   # loss 0 at min; a finite step
+    _, state = step((inf, inf), state, MULTI_PARAMS)  # both at min
+    assert int(state.min_scale_overflows) == 2 and not bool(state.diverged)
+    _, state = step((inf, ok), state, MULTI_PARAMS)
+    assert bool(state.diverged)
+    with pytest.raises(LossScaleDivergedError, match=r"minimum \(1, 1\)"):
+        check_divergence(state)
+
+
+def test_static_and_noop_with_several_losses():
+    tx = StaticLossScale(8.0, optax.sgd(1.0), num_losses=2)
+    state = tx.init(MULTI_PARAMS)
+    np.testing.assert_array_equal(loss_scale(state), [8.0, 8.0])
+    u, state = tx.update(({"w": jnp.full((2,), 8.0)}, {"w": jnp.full((2,), 16.0)}), state,
+                         MULTI_PARAMS)
+    np.testing.assert_array_equal(u["w"], [-3.0, -3.0])
+    u, state = tx.update(({"w": jnp.full((2,), 8.0)}, {"w": jnp.full((2,), jnp.inf)}), state,
+                         MULTI_PARAMS)
+    np.testing.assert_array_equal(u["w"], [0.0, 0.0])
+    np.testing.assert_array_equal(loss_scale(state), [8.0, 8.0])
+    assert int(overflow_stats(state).steps_skipped) == 1
+    noop = NoOpLossScale(optax.sgd(1.0), num_losses=2)
+    nstate = noop.init(MULTI_PARAMS)
+    np.testing.assert_array_equal(loss_scale(nstate), [1.0, 1.0])
+    u, _ = noop.update(({"w": jnp.ones(2)}, {"w": jnp.full((2,), 2.0)}), nstate, MULTI_PARAMS)
+    np.testing.assert_array_equal(u["w"], [-3.0, -3.0])
+
+
+def test_config_num_losses_and_verbose():
+    config = LossScaleConfig("dynamic", init_scale=4.0, num_losses=2, verbose=True)
+    assert config.uses("num_losses") and config.uses("verbose")
+    assert LossScaleConfig("static").uses("num_losses")
+    assert not LossScaleConfig("static").uses("verbose")
+    state = config.wrap(optax.sgd(0.1)).init(MULTI_PARAMS)
+    np.testing.assert_array_equal(loss_scale(state), [4.0, 4.0])
+    for kind in ("static", "none"):
+        state = LossScaleConfig(kind, init_scale=4.0, num_losses=3).wrap(None).init(MULTI_PARAMS)
+        assert loss_scale(state).shape == (3,)
+    with pytest.raises(ValueError, match="num_losses must be"):
+        LossScaleConfig("dynamic", num_losses=0)
+    with pytest.raises(ValueError, match="verbose must be True or False"):
+        LossScaleConfig("dynamic", verbose="yes")
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, None, "2"])
+def test_num_losses_validation(bad):
+    for make in (lambda: DynamicLossScale(optax.sgd(0.1), num_losses=bad),
+                 lambda: StaticLossScale(2.0, optax.sgd(0.1), num_losses=bad),
+                 lambda: NoOpLossScale(optax.sgd(0.1), num_losses=bad)):
+        with pytest.raises(ValueError, match=r"num_losses must be .*num_losses=2"):
+            make()
+
+
+def test_loss_id_validation():
+    two = DynamicLossScale(optax.sgd(0.1), num_losses=2).init(MULTI_PARAMS)
+    one = DynamicLossScale(optax.sgd(0.1)).init(MULTI_PARAMS)
+    loss = jnp.asarray(1.0)
+    for bad in (2, -1, True, 1.0, "0"):
+        with pytest.raises(ValueError, match=r"loss_id must be an int in \[0, num_losses\) = "
+                                             r"\[0, 2\).*0\.\.1"):
+            scale_loss(loss, two, loss_id=bad)
+        with pytest.raises(ValueError, match=r"\[0, 2\)"):
+            loss_scale(two, loss_id=bad)
+    with pytest.raises(ValueError, match=r"num_losses=1.*drop loss_id.*num_losses=k"):
+        scale_loss(loss, one, loss_id=1)
+    with pytest.raises(ValueError, match="num_losses=1"):
+        loss_scale(one, loss_id=1)
+    assert float(scale_loss(loss, one, loss_id=0)) == 65536.0
+    assert float(scale_loss(loss, two, loss_id=np.int32(1))) == 65536.0
+
+
+def test_wrong_number_of_gradient_trees():
+    tx = DynamicLossScale(optax.sgd(0.1), num_losses=2)
+    state = tx.init(MULTI_PARAMS)
+    g = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError, match=r"got 3 gradient trees for num_losses=2.*tuple of 2"):
+        tx.update((g, g, g), state, MULTI_PARAMS)
+    with pytest.raises(ValueError, match=r"got 1 gradient trees for num_losses=2"):
+        tx.update([g], state, MULTI_PARAMS)
+    with pytest.raises(ValueError, match=r"got gradients of type dict.*tuple of 2"):
+        tx.update(g, state, MULTI_PARAMS)
+    with pytest.raises(ValueError, match="differ in structure"):
+        tx.update((g, {"v": jnp.ones(2)}), state, MULTI_PARAMS)
+    # params that are themselves a 2-tuple: a single gradient tree is recognised
+    pair = (jnp.ones(2), jnp.ones(3))
+    pstate = tx.init(pair)
+    with pytest.raises(ValueError, match="one gradient tree shaped like params"):
+        tx.update(pair, pstate, pair)
+    tx.update((pair, pair), pstate, pair)  # the right form works
+    with pytest.raises(ValueError, match=r"got 3 gradient trees for num_losses=2"):
+        NoOpLossScale(optax.sgd(0.1), num_losses=2).update((g, g, g), state, MULTI_PARAMS)
+
+
+def test_multi_loss_pytree_and_orbax_round_trip(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = DynamicLossScale(optax.adam(1e-2), init_scale=2.0**6, growth_interval=3, hysteresis=2,
+                          num_losses=2)
+    params = {"w": jnp.asarray([0.25, -1.0])}
+    codes = jnp.asarray([[0, 0], [1, 0], [1, 0], [0, 0], [0, 0], [2, 2], [0, 3], [0, 0],
+                         [0, 0], [1, 0], [0, 0], [0, 0]], jnp.int32)
+
+    def body(carry, code):
+        p, s = carry
+        trees = tuple({"w": jnp.where(code[i] > 0, jnp.inf, (p["w"] + i + 1.0) *
+                                      loss_scale(s, loss_id=i))} for i in range(2))
+        u, s = tx.update(trees, s, p)
+        return (optax.apply_updates(p, u), s), loss_scale(s)
+
+    run = jax.jit(lambda c, x: jax.lax.scan(body, c, x))
+    (p_full, s_full), scales_full = run((params, tx.init(params)), codes)
+    (p_mid, s_mid), scales_a = run((params, tx.init(params)), codes[:5])
+    assert np.any(np.asarray(s_mid.growth_tracker) > 0)
+    assert len(set(np.asarray(s_mid.scale).tolist())) == 2  # the two scales differ
+
+    leaves, treedef = jax.tree_util.tree_flatten((p_mid, s_mid))
+    flat = jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in leaves])
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "ckpt", {"params": p_mid, "opt_state": s_mid})
+    ckpt.wait_until_finished()
+    target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
+                                    {"params": p_mid, "opt_state": s_mid})
+    restored = ckpt.restore(tmp_path / "ckpt", target)
+    assert isinstance(restored["opt_state"], LossScaleState)
+    assert restored["opt_state"].scale.shape == (2,)
+    for start in (flat, (restored["params"], restored["opt_state"])):
+        assert bits(start) == bits((p_mid, s_mid))
+        (p_end, s_end), scales_b = run(start, codes[5:])
+        np.testing.assert_array_equal(np.concatenate([scales_a, scales_b]), scales_full)
+        assert bits((p_end, s_end)) == bits((p_full, s_full))
+
+
+# --------------------------------------------------------------------------- verbose
+
+
+def _jaxpr_text(tx, grads, params):
+    return str(jax.make_jaxpr(tx.update)(grads, tx.init(params), params))
+
+
+@pytest.mark.parametrize("num_losses", [1, 2])
+def test_verbose_false_adds_no_callback(num_losses):
+    g = {"w": jnp.ones(2)}
+    grads = g if num_losses == 1 else (g,) * num_losses
+    quiet = DynamicLossScale(optax.sgd(0.1), num_losses=num_losses)
+    loud = DynamicLossScale(optax.sgd(0.1), num_losses=num_losses, verbose=True)
+    assert "debug_callback" not in _jaxpr_text(quiet, grads, MULTI_PARAMS)
+    assert "debug_callback" in _jaxpr_text(loud, grads, MULTI_PARAMS)
+    cfg = LossScaleConfig("dynamic", num_losses=num_losses)
+    assert "debug_callback" not in _jaxpr_text(cfg.wrap(optax.sgd(0.1)), grads, MULTI_PARAMS)
+
+
+def test_verbose_prints_one_line_per_change(capsys, monkeypatch):
+    monkeypatch.setattr(loss_scale_module, "_VERBOSE_MIN_INTERVAL_S", 0.0)
+    tx = DynamicLossScale(optax.sgd(0.1), init_scale=2.0**16, growth_interval=2, verbose=True)
+    state = tx.init(MULTI_PARAMS)
+    step = jax.jit(tx.update)
+    inf, ok = {"w": jnp.full((2,), jnp.inf)}, {"w": jnp.ones(2)}
+    for g in (inf, ok, ok, ok):
+        _, state = step(g, state, MULTI_PARAMS)
+    jax.effects_barrier()
+    assert capsys.readouterr().err.splitlines() == [
+        "jamp: loss scale 65536 -> 32768 (overflow, step skipped)",
+        "jamp: loss scale 32768 -> 65536 (growth)",
+    ]
+
+    two = DynamicLossScale(optax.sgd(0.1), init_scale=2.0**16, growth_interval=1,
+                           hysteresis=2, num_losses=2, verbose=True)
+    state = two.init(MULTI_PARAMS)
+    step = jax.jit(two.update)
+    for gs in ((ok, inf), (ok, inf), (ok, ok)):
+        _, state = step(gs, state, MULTI_PARAMS)
+    jax.effects_barrier()
+    assert capsys.readouterr().err.splitlines() == [
+        # loss 1 spends its hysteresis: no change of its scale; loss 0 still grows
+        "jamp: loss scale 65536 -> 131072 (loss 0, growth, step skipped)",
+        "jamp: loss scale 131072 -> 262144 (loss 0, growth, step skipped); "
+        "65536 -> 32768 (loss 1, overflow, step skipped)",
+        "jamp: loss scale 262144 -> 524288 (loss 0, growth); 32768 -> 65536 (loss 1, growth)",
+    ]
+
+
+def test_verbose_is_rate_limited_on_the_host(capsys, monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(loss_scale_module, "_monotonic", lambda: now[0])
+    tx = DynamicLossScale(optax.sgd(0.1), init_scale=2.0**10, min_scale=1.0, verbose=True)
+    state = tx.init(MULTI_PARAMS)
+    step = jax.jit(tx.update)
+    inf = {"w": jnp.full((2,), jnp.inf)}
+    for t in (100.0, 100.2, 100.9, 101.5, 101.6):
+        now[0] = t
+        _, state = step(inf, state, MULTI_PARAMS)
+        jax.effects_barrier()
+    assert capsys.readouterr().err.splitlines() == [
+        "jamp: loss scale 1024 -> 512 (overflow, step skipped)",
+        "jamp: loss scale 128 -> 64 (overflow, step skipped) [2 earlier change(s) not shown]",
+    ]
+
+
+def test_verbose_validation():
+    with pytest.raises(ValueError, match="verbose must be True or False"):
+        DynamicLossScale(optax.sgd(0.1), verbose=1)

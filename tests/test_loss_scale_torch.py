@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from jamp.loss_scale import DynamicLossScale, loss_scale, scale_loss
+from jamp.loss_scale import DynamicLossScale, loss_scale, overflow_stats, scale_loss
 
 torch = pytest.importorskip("torch")
 
@@ -116,3 +116,108 @@ def test_matches_torch_with_non_power_of_two_factors():
     np.testing.assert_array_equal(j_stepped, t_stepped)
     np.testing.assert_allclose(j_scales, t_scales, rtol=1e-4)
     assert len(set(t_scales.tolist())) > 3
+
+
+# --------------------------------------------------------------------------- two losses
+#
+# apex's num_losses=2 driven with two torch GradScalers by hand: scaler i scales loss i
+# and unscales (and checks) the gradients of loss i only; the optimizer steps on the sum
+# of the unscaled gradients unless either scaler found an inf; each scaler is then
+# update()d with its own found_inf (apex: loss_scalers[loss_id].update_scale()).
+
+
+def two_loss_pattern(seed, steps=60, growth_interval=3):
+    """Per-step weights of the two losses, poisoned (inf, -inf, NaN) on planted steps.
+
+    Covers every case: no overflow, loss 0 only, loss 1 only, both; with finite runs
+    longer than ``growth_interval`` so both scales grow.
+    """
+    rng = np.random.default_rng(seed)
+    cases = rng.choice(4, size=steps, p=[0.55, 0.15, 0.15, 0.15])  # bit 0: loss 0, bit 1: 1
+    cases[:growth_interval + 1] = 0
+    cases[10:14] = [1, 1, 0, 0]  # loss 0 only, twice, then finite
+    cases[20:24] = [2, 0, 2, 2]
+    cases[30:33] = [3, 0, 0]
+    w = rng.normal(size=(2, steps, 3)).astype(np.float32)
+    poison = np.asarray([np.inf, -np.inf, np.nan], np.float32)
+    for i in range(2):
+        bad = (cases >> i) & 1 == 1
+        w[i, bad, rng.integers(0, 3, size=bad.sum())] = rng.choice(poison, size=bad.sum())
+    return w, cases
+
+
+def run_torch_two_losses(w, *, init_scale, growth_interval):
+    p = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 3))
+    opt = torch.optim.SGD([p], lr=LR)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=2.0,
+                                    backoff_factor=0.5, growth_interval=growth_interval)
+               for _ in range(2)]
+    scales, trackers, stepped, params = [], [], [], []
+    for w0, w1 in zip(w[0], w[1], strict=True):
+        losses = [(p * torch.from_numpy(w0)).sum(),
+                  0.5 * ((p - torch.from_numpy(w1)) ** 2).sum()]
+        unscaled, found = [], []
+        for scaler, loss in zip(scalers, losses, strict=True):
+            (grad,) = torch.autograd.grad(scaler.scale(loss), p)
+            p.grad = grad
+            scaler.unscale_(opt)  # this scaler's check of this loss's gradients only
+            found.append(any(bool(v.item()) for v in scaler._found_inf_per_device(opt).values()))
+            unscaled.append(p.grad.detach().clone())
+        step = not any(found)
+        if step:
+            p.grad = unscaled[0] + unscaled[1]
+            opt.step()
+        for scaler in scalers:
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        scales.append([s.get_scale() for s in scalers])
+        trackers.append([s._get_growth_tracker() for s in scalers])
+        stepped.append(step)
+        params.append(p.detach().numpy().copy())
+    return (np.asarray(scales, np.float32), np.asarray(trackers), np.asarray(stepped),
+            np.asarray(params))
+
+
+def make_jamp_two_losses(*, init_scale, growth_interval):
+    tx = DynamicLossScale(optax.sgd(LR), init_scale=init_scale, growth_interval=growth_interval,
+                          min_scale=2.0**-100, max_scale=2.0**126, num_losses=2)
+
+    def body(carry, ws):
+        params, state = carry
+        w0, w1 = ws
+        g0 = jax.grad(lambda p: scale_loss(jnp.sum(p * w0), state, loss_id=0))(params)
+        g1 = jax.grad(lambda p: scale_loss(0.5 * jnp.sum((p - w1) ** 2), state, loss_id=1))(
+            params)
+        updates, state = tx.update((g0, g1), state, params)
+        params = optax.apply_updates(params, updates)
+        stats = overflow_stats(state)
+        return (params, state), (loss_scale(state), state.growth_tracker, stats.last_finite,
+                                 jnp.any(updates != 0), params)
+
+    @jax.jit
+    def run(w):
+        params = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
+        _, out = jax.lax.scan(body, (params, tx.init(params)), (w[0], w[1]))
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_two_losses_match_two_torch_grad_scalers(seed):
+    hp = dict(init_scale=2.0**10, growth_interval=3)
+    w, cases = two_loss_pattern(seed)
+    assert set(cases.tolist()) == {0, 1, 2, 3}
+    t_scales, t_trackers, t_stepped, t_params = run_torch_two_losses(w, **hp)
+    j_scales, j_trackers, j_finite, j_nonzero, j_params = (
+        np.asarray(a) for a in make_jamp_two_losses(**hp)(jnp.asarray(w)))
+    np.testing.assert_array_equal(t_stepped, cases == 0)  # sanity: torch skipped exactly these
+    np.testing.assert_array_equal(j_scales, t_scales)
+    np.testing.assert_array_equal(j_trackers, t_trackers)
+    np.testing.assert_array_equal(j_finite, t_stepped)
+    np.testing.assert_array_equal(j_nonzero, t_stepped)
+    np.testing.assert_allclose(j_params, t_params, rtol=1e-6, atol=1e-6)
+    # the trajectories exercise the rule: both scales grew and backed off, and differed
+    for i in range(2):
+        assert len(set(t_scales[:, i].tolist())) > 2
+    assert np.any(t_scales[:, 0] != t_scales[:, 1])
