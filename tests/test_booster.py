@@ -57,6 +57,12 @@ class NNXNet(nnx.Module):
 MLP = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(4)])
 
 
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def _bits(tree):
     return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 
@@ -82,6 +88,10 @@ def test_linen_fp32_equals_the_hand_written_step(mesh, stage, accumulate):
     start = jax.device_get(state.params)
     for _ in range(3):
         state, metrics = boosted.step(state, BATCH)
+    if accumulate > 1:  # the micro-batches run in one loop, each a k-th of the batch
+        with jax.set_mesh(boosted.mesh) if boosted.mesh is not None else _nothing():
+            jaxpr = str(jax.make_jaxpr(boosted._built["step"])(state, BATCH, jax.random.key(0)))
+        assert f"length={accumulate}" in jaxpr
     expected = _hand_written(start, lambda p, x: MLP.apply({"params": p}, x))
     for got, want in zip(jax.tree_util.tree_leaves(state.params),
                          jax.tree_util.tree_leaves(expected), strict=True):
