@@ -308,6 +308,8 @@ def _usage_message(error: BaseException) -> str:
     if "Traceback" in text:  # absl wraps the config file's own exception with its traceback
         text = [line for line in text.splitlines() if line.strip()][-1]
     text = " ".join(text.replace("\\n", " ").split()).removeprefix("ValueError: ")
+    if f"{seed_keys.__file__}:" in str(error):  # a Colossal-AI-style file: its own message
+        return text
     override = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text)
     if override:  # a value that does not parse as the field's type
         key, value, why = override.groups()

@@ -619,7 +619,13 @@ def config_from_file(path: str) -> Any:
       'fp16'
     """
     values = runpy.run_path(path)
-    return config_from_values(values, source=os.path.basename(path))
+    source = os.path.basename(path)
+    try:
+        return config_from_values(values, source=source)
+    except ValueError as e:
+        if str(e).startswith(f"{source}: "):
+            raise
+        raise ValueError(f"{source}: {e}") from None
 
 
 def _parallel(value: Any, upper: Mapping[str, Any]) -> dict[str, int]:
