@@ -138,9 +138,8 @@ def _flag(key: str, value: Any, allow_none: bool = True) -> bool | None:
 def _dtype(key: str, value: Any) -> Any:
     if value is None:
         return None
-    name = str(value).removeprefix("torch.")
     try:
-        dtype = jnp.dtype(name)
+        dtype = jnp.dtype(value.removeprefix("torch.") if isinstance(value, str) else value)
     except TypeError:
         dtype = None
     if dtype is None or dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
