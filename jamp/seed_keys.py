@@ -47,7 +47,7 @@ from jamp.policy import (
 )
 
 
-class AMP_TYPE(str, enum.Enum):  # noqa: N801  (Colossal-AI's spelling)
+class AMP_TYPE(enum.StrEnum):  # noqa: N801  (Colossal-AI's spelling)
     """Colossal-AI's AMP modes: the ``mode`` of a ``fp16=dict(...)`` block.
 
     ``PARALLEL`` (the older docs' name of the tensor-parallel AMP) is an alias
@@ -451,8 +451,10 @@ def is_seed_call(name: Any, keys: Mapping[str, Any]) -> bool:
 
     Example:
       >>> from jamp.seed_keys import is_seed_call
-      >>> is_seed_call(16, {}), is_seed_call("fp16", {"init_scale": 2.0}), is_seed_call(None, {"opt_level": "O2"})
-      (True, False, True)
+      >>> is_seed_call(16, {}), is_seed_call("fp16", {"init_scale": 2.0})
+      (True, False)
+      >>> is_seed_call(None, {"opt_level": "O2"})
+      True
     """
     if name is None or isinstance(name, Mapping | AMP_TYPE):
         return True
@@ -613,7 +615,8 @@ def config_from_file(path: str) -> Any:
     Example:
       >>> import os, tempfile
       >>> path = os.path.join(tempfile.mkdtemp(), "c.py")
-      >>> _ = open(path, "w").write("from jamp import AMP_TYPE\\nfp16 = dict(mode=AMP_TYPE.TORCH)\\n")
+      >>> text = "from jamp import AMP_TYPE\\nfp16 = dict(mode=AMP_TYPE.TORCH)\\n"
+      >>> _ = open(path, "w").write(text)
       >>> config_from_file(path).mode
       'fp16'
     """

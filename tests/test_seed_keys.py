@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import re
@@ -414,7 +413,9 @@ GUIDE = os.path.join(REPO, "docs", "guides", "coming_from.md")
 
 def guide_rows() -> list[tuple[str, str]]:
     rows = []
-    for line in open(GUIDE, encoding="utf-8"):
+    with open(GUIDE, encoding="utf-8") as f:
+        lines = f.readlines()
+    for line in lines:
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
         if not line.startswith("| `") or len(cells) != 3:
             continue
