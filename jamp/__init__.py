@@ -39,11 +39,13 @@ from jamp.policy import (
     get_policy,
     mixed_precision,
 )
+from jamp.seed_keys import AMP_TYPE
 from jamp.step import eval_step, make_optimizer, train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AMP_TYPE",
     "Boosted",
     "boost",
     "DynamicLossScale",

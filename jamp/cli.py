@@ -7,8 +7,11 @@
 
 Also ``python -m jamp.train``. The config is a recipe that ships with jamp, by name
 from any directory (``jamp/configs``: vit_fp16, vit_bf16, vit_fp8, vit_fp16_3d, ...),
-or an ``ml_collections`` file (``get_config(arg)``, see ``jamp/config.py``); a
-``configs/<name>.py`` path names the recipe too. ``--config.key=value`` overrides any
+or an ``ml_collections`` file (``get_config(arg)``, see ``jamp/config.py``), or a
+Colossal-AI-style file of module-level values (``BATCH_SIZE = 128``,
+``fp16 = dict(mode=AMP_TYPE.TORCH)``, ``gradient_accumulation = 4``:
+:func:`jamp.seed_keys.config_from_file`); a ``configs/<name>.py`` path names the
+recipe too. ``--config.key=value`` overrides any
 field and unknown keys are rejected; ``jamp.train --help`` lists every key with its
 default and meaning. The run directory gets ``config.json`` (the resolved config),
 ``metrics.jsonl``, TensorBoard events, orbax checkpoints (resumed automatically),
@@ -54,7 +57,7 @@ from typing import Any, NoReturn
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from jamp import configs, data, parallel
+from jamp import configs, data, parallel, seed_keys
 from jamp.checkpoint import CheckpointError
 from jamp.config import FIELD_HELP, vit_config
 from jamp.experiment import ConfigError, UnsafeModeWarning
@@ -194,14 +197,23 @@ def _help_config(args: list[str]) -> tuple[ConfigDict | None, str]:
 def _resolve_config(argv: list[str]) -> list[str]:
     """``argv`` with ``--config``'s recipe name (or old ``configs/NAME.py`` path) made the
     packaged recipe's file (:func:`jamp.configs.resolve`)."""
-    out = list(argv)
+    out = [seed_keys.cli_alias(arg) for arg in argv]  # --config.gradient_accumulation=4
     for i, arg in enumerate(out):
         given = re.match(r"^(--?config=)(.*)$", arg)
         if given:
-            out[i] = given.group(1) + configs.resolve(given.group(2))
+            out[i] = given.group(1) + _config_file(given.group(2))
         elif arg in ("--config", "-config") and i + 1 < len(out):
-            out[i + 1] = configs.resolve(out[i + 1])
+            out[i + 1] = _config_file(out[i + 1])
     return out
+
+
+def _config_file(value: str) -> str:
+    """A recipe's file, or a Colossal-AI-style file (no ``get_config``) behind
+    :func:`jamp.seed_keys.get_config`."""
+    value = configs.resolve(value)
+    if seed_keys.is_colossalai_file(value):
+        return f"{seed_keys.__file__}:{os.path.abspath(value)}"
+    return value
 
 
 def _define_flags() -> flags.FlagValues:
@@ -296,6 +308,8 @@ def _usage_message(error: BaseException) -> str:
     if "Traceback" in text:  # absl wraps the config file's own exception with its traceback
         text = [line for line in text.splitlines() if line.strip()][-1]
     text = " ".join(text.replace("\\n", " ").split()).removeprefix("ValueError: ")
+    if f"{seed_keys.__file__}:" in str(error):  # a Colossal-AI-style file: its own message
+        return text
     override = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text)
     if override:  # a value that does not parse as the field's type
         key, value, why = override.groups()
@@ -335,6 +349,8 @@ def _field_kind(key: str) -> tuple[str, str]:
 def _default_workdir(config_path: str) -> str:
     """``runs/<config name>[-<arg>]``, e.g. ``runs/vit_fp16-s16-cifar10``."""
     path, _, arg = config_path.partition(":")
+    if arg and os.path.abspath(path) == os.path.abspath(seed_keys.__file__):
+        path, arg = arg, ""  # a Colossal-AI-style file: named after itself
     name = os.path.splitext(os.path.basename(path))[0]
     return os.path.join("runs", name + (f"-{arg.replace(',', '-')}" if arg else ""))
 

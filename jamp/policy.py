@@ -254,6 +254,11 @@ class MixedPrecision:
       fp8: a :class:`jamp.fp8.Fp8Recipe` (or ``"delayed"``/``"current"``): the
         Dense-type layers under ``policy`` (no override) run fp8 matmuls
         (:mod:`jamp.fp8`); ``None``: no fp8.
+      clip_grad_norm: clip the unscaled gradients to this global norm inside the
+        loss scale (:func:`jamp.make_optimizer`; Colossal-AI naive AMP's
+        ``clip_grad``); 0: no clipping.
+      log_num_zeros_in_grad: ask the trainer to log the number of zero gradient
+        elements (Colossal-AI/Megatron's ``log_num_zeros_in_grad``).
 
     Raises:
       ValueError: for an override key that is neither a module class nor a valid
@@ -273,8 +278,18 @@ class MixedPrecision:
     loss_scale: LossScaleConfig = LossScaleConfig()
     master_weights: bool = False
     fp8: Fp8Recipe | None = None
+    clip_grad_norm: float = 0.0
+    log_num_zeros_in_grad: bool = False
 
     def __post_init__(self):
+        clip = self.clip_grad_norm
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or not clip >= 0:
+            raise ValueError(f"clip_grad_norm must be a number >= 0 (0: no clipping), got "
+                             f"{clip!r}.")
+        object.__setattr__(self, "clip_grad_norm", float(clip))
+        if not isinstance(self.log_num_zeros_in_grad, bool):
+            raise ValueError(f"log_num_zeros_in_grad must be True or False, got "
+                             f"{self.log_num_zeros_in_grad!r}.")
         if isinstance(self.fp8, str):
             object.__setattr__(self, "fp8", Fp8Recipe(self.fp8))
         if not (self.fp8 is None or isinstance(self.fp8, Fp8Recipe)):
@@ -443,7 +458,7 @@ def _mode_table() -> dict[str, dict[str, Any]]:
 MODE_ALIASES: dict[str, str] = {
     "fp32": "fp32", "32": "fp32", "32-true": "fp32", "O0": "fp32",
     "fp16": "fp16", "16": "fp16", "16-mixed": "fp16", "O1": "fp16", "torch": "fp16",
-    "amp": "fp16",
+    "amp": "fp16", "fp16_apex": "fp16",
     "bf16": "bf16", "bf16-mixed": "bf16",
     "fp16_naive": "fp16_naive", "O2": "fp16_naive", "naive": "fp16_naive",
     "fp16_pure": "fp16_pure", "O3": "fp16_pure", "16-true": "fp16_pure",
@@ -459,8 +474,20 @@ FP8_MODES: tuple[str, ...] = ("fp8", "fp8_current")
 """The canonical fp8 mode names (bf16 plus fp8 matmuls, :mod:`jamp.fp8`)."""
 
 
-def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecision:
+_PENDING_SCALE_FIELDS = {"num_losses": 1, "verbose": False}
+"""Loss-scale settings accepted by name before :class:`LossScaleConfig` has them (their
+defaults only)."""
+
+
+def mixed_precision(name: str | int | Mapping[str, Any] | MixedPrecision | None = None,
+                    **overrides: Any) -> MixedPrecision:
     """Returns the :class:`MixedPrecision` recipe for a named mode.
+
+    The seeds' spellings work too (:mod:`jamp.seed_keys`): a Lightning precision
+    (``16``, ``"bf16"``, ``amp_backend="apex", amp_level="O2"``), a Colossal-AI
+    ``fp16`` dict (``dict(mode=AMP_TYPE.TORCH, init_scale=2.**16)``) or its keys
+    (``mode=AMP_TYPE.NAIVE, clip_grad=1.0``), a Booster string (``"fp16_apex"``)
+    and apex's ``amp.initialize`` keys (``opt_level="O2", loss_scale=128.0``).
 
     Modes (aliases in brackets):
       - ``fp32`` ("32", "32-true", "O0"): everything float32, no loss scaling.
@@ -512,7 +539,13 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
       >>> import jamp
       >>> jamp.mixed_precision("16-mixed", init_scale=2**15).loss_scale.init_scale
       32768
+      >>> jamp.mixed_precision(opt_level="O2", loss_scale=128.0).loss_scale.kind
+      'static'
     """
+    from jamp import seed_keys  # noqa: PLC0415  (seed_keys imports this module)
+
+    if seed_keys.is_seed_call(name, overrides):
+        return seed_keys.translate(name, **overrides)
     if isinstance(name, MixedPrecision):
         base = name
     else:
@@ -526,6 +559,14 @@ def mixed_precision(name: str | MixedPrecision, **overrides: Any) -> MixedPrecis
         base = MixedPrecision(name=canonical, **_mode_table()[canonical])
     fields = {f.name for f in dataclasses.fields(MixedPrecision)} - {"name"}
     scaling = {f.name for f in dataclasses.fields(LossScaleConfig)} - {"kind"}
+    for key, default in _PENDING_SCALE_FIELDS.items():
+        if key in overrides and key not in scaling:
+            value = overrides.pop(key)
+            if value != default or type(value) is not type(default):
+                raise ValueError(
+                    f"mixed_precision({base.name!r}, {key}={value!r}): this version's "
+                    f"jamp.LossScaleConfig has no {key} field, so only {key}={default!r} is "
+                    "accepted (one loss scale for every loss, no loss-scale messages).")
     unknown = sorted(set(overrides) - fields - scaling)
     if unknown:
         raise ValueError(
@@ -593,13 +634,16 @@ def _scaling_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(LossScaleConfig) if f.name != "kind"]
 
 
-PolicyLike = str | Policy | MixedPrecision
+PolicyLike = str | int | Mapping[str, Any] | Policy | MixedPrecision
 
 
 def to_mixed_precision(
     policy_or_mode: PolicyLike, overrides: Mapping[OverrideKey, Any] | None = None
 ) -> MixedPrecision:
     """Normalises a mode name, policy string, ``Policy`` or ``MixedPrecision``.
+
+    A Colossal-AI ``fp16`` dict and a Lightning precision (``16``) are modes too
+    (:mod:`jamp.seed_keys`).
 
     A mode name ("fp16", "O2", ...) gives that mode with its default overrides.
     A policy (``Policy`` or jmp-style string such as ``"p=f32,c=f16,o=f32"``)
@@ -618,6 +662,8 @@ def to_mixed_precision(
         mp = policy_or_mode
     elif isinstance(policy_or_mode, Policy):
         mp = MixedPrecision(name="custom", policy=policy_or_mode)
+    elif isinstance(policy_or_mode, Mapping | int) and not isinstance(policy_or_mode, bool):
+        mp = mixed_precision(policy_or_mode)  # a Colossal-AI fp16 dict, a Lightning precision
     elif isinstance(policy_or_mode, str):
         try:
             mp = mixed_precision(policy_or_mode)

@@ -116,7 +116,10 @@ def make_optimizer(
     *,
     axis_names: tuple[str, ...] = (),
 ) -> optax.GradientTransformation:
-    """Wraps ``tx`` as the mode requires: master weights, then the loss scale.
+    """Wraps ``tx`` as the mode requires: clipping, master weights, then the loss scale.
+
+    With ``mp.clip_grad_norm`` > 0, ``tx`` first clips the unscaled gradients
+    to that global norm (Colossal-AI naive AMP's ``clip_grad``).
 
     The mode's :class:`~jamp.loss_scale.LossScaleConfig` builds the scale:
     ``"dynamic"`` gives ``DynamicLossScale(tx)``, ``"static"`` gives
@@ -141,6 +144,8 @@ def make_optimizer(
     from jamp.policy import to_mixed_precision  # here: jamp.policy imports jamp.fp8, whose
     # TrainState subclasses this module's
     mp = to_mixed_precision(mp)
+    if mp.clip_grad_norm:  # unscaled gradients (in float32 under master weights)
+        tx = optax.chain(optax.clip_by_global_norm(mp.clip_grad_norm), tx)
     if mp.master_weights:
         tx = master_weights(tx)
     return mp.loss_scale.wrap(tx, axis_names)

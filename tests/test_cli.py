@@ -200,3 +200,91 @@ def test_fp16_pure_warns_at_start_and_fp16_does_not(tmp_path, capsys, monkeypatc
         assert status == 2 and lines[-1] == "jamp.train: error: stopped by the test", err
         assert (lines[0].startswith("jamp.train: warning: mode fp16_pure keeps parameters")
                 if warned else len(lines) == 1), (mode, err)
+
+
+COLOSSALAI_CONFIG = """from jamp import AMP_TYPE
+
+BATCH_SIZE = 64
+LEARNING_RATE = 3e-3
+WEIGHT_DECAY = 0.1
+NUM_EPOCHS = 2
+HIDDEN_SIZE = 16
+DEPTH = 1
+NUM_HEADS = 2
+MLP_RATIO = 2
+fp16 = dict(mode=AMP_TYPE.NAIVE, initial_scale=2**16, hysteresis=3)
+gradient_accumulation = 2
+clip_grad_norm = 0.5
+parallel = dict(pipeline=1, tensor=dict(size=1, mode='1d'))
+progress = False
+plot = False
+"""
+
+
+def test_a_colossalai_style_config_file_trains(tmp_path, capsys):
+    """Module-level values, no get_config: jamp.train translates them (config.json)."""
+    import json
+
+    path = tmp_path / "config_naive.py"
+    path.write_text(COLOSSALAI_CONFIG)
+    workdir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["jamp.train", f"--config={path}", "--config.max_steps=2",
+                  f"--workdir={workdir}"])
+    assert exit_.value.code in (0, None), capsys.readouterr().err
+    config = json.loads((workdir / "config.json").read_text())
+    assert (config["mode"], config["batch_size"], config["learning_rate"], config["num_layers"],
+            config["mlp_dim"], config["grad_accum_steps"], config["grad_clip_norm"]) == (
+        "fp16_naive", 64, 3e-3, 1, 32, 2, 0.5)
+    assert (config["loss_scale"]["init_scale"], config["loss_scale"]["hysteresis"],
+            config["loss_scale"]["growth_interval"], config["loss_scale"]["max_scale"]) == (
+        2.0**16, 3, 1000, 2.0**32)
+    assert (config["mesh"]["pipe"], config["mesh"]["model"]) == (1, 1)
+    assert (workdir / "summary.json").exists()
+
+
+def test_colossalai_style_files_name_the_default_workdir_and_take_aliases(tmp_path, monkeypatch):
+    runs = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "train_and_evaluate", lambda c, w: runs.append((c, w)))
+    (tmp_path / "config_torch.py").write_text(
+        "from jamp import AMP_TYPE\nfp16 = dict(mode=AMP_TYPE.TORCH, init_scale=2.**10)\n")
+    for args in (["--config", "config_torch.py"],
+                 ["--config=vit_fp16", "--config.gradient_accumulation=4",
+                  "--config.clip_grad_norm=0.25"]):
+        with pytest.raises(SystemExit):
+            cli.main(["jamp.train", *args])
+    (torch, workdir), (alias, _) = runs
+    assert workdir == os.path.join("runs", "config_torch")
+    assert torch.mode == "fp16" and torch.loss_scale.init_scale == 2.0**10
+    assert torch.grad_clip_norm == 0.0  # Colossal-AI: no clip_grad_norm, no clipping
+    assert (alias.grad_accum_steps, alias.grad_clip_norm) == (4, 0.25)
+
+
+COLOSSALAI_BAD = [
+    ("NUM_CLASSES = 10\n", ["jamp cannot map NUM_CLASSES", "BATCH_SIZE"]),
+    ("from jamp import AMP_TYPE\nfp16 = dict(mode=AMP_TYPE.APEX, opt_level='O4')\n",
+     ["opt_level='O4'", "'O0', 'O1', 'O2' or 'O3'"]),
+    ("from jamp import AMP_TYPE\nfp16 = dict(mode=AMP_TYPE.APEX, num_losses=0)\n",
+     ["num_losses=0", ">= 1"]),
+    ("from jamp import AMP_TYPE\nfp16 = dict(mode=AMP_TYPE.APEX, num_losses=2)\n",
+     ["num_losses"]),
+    ("from jamp import AMP_TYPE\nfp16 = dict(mode=AMP_TYPE.APEX, patch_torch_functions=True)\n",
+     ["jamp.autocast", "jamp.apply_policy"]),
+    ("fp16 = dict(mode='torc')\n", ["AMP_TYPE.TORCH"]),
+    ("parallel = dict(tensor=dict(size=2, mode='3d'))\n", ["'1d'"]),
+]
+
+
+def test_colossalai_style_bad_files_one_paragraph_exit_2_nothing_written(tmp_path, capsys):
+    for i, (text, needles) in enumerate(COLOSSALAI_BAD):
+        path = tmp_path / f"bad{i}.py"
+        path.write_text(text)
+        workdir = tmp_path / f"run{i}"
+        status, _, err = _main(capsys, f"--config={path}", f"--workdir={workdir}")
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert status == 2 and len(lines) == 1, (text, err)
+        assert lines[0].startswith(f"jamp.train: error: bad{i}.py: "), err
+        for needle in needles:
+            assert needle in lines[0], (needle, lines[0])
+        assert not workdir.exists()
