@@ -652,7 +652,8 @@ def boost(
         window, one reduction per window.
       inputs, targets: where the batch holds the model's inputs and the loss's
         targets: a dict key, a tuple index or a function (default: ``(x, y)`` tuples).
-      log_num_zeros_in_grad: add ``num_zeros_in_grad`` to the step's metrics.
+      log_num_zeros_in_grad: add ``num_zeros_in_grad`` to the step's metrics (also on when
+        the precision says so: Colossal-AI's naive ``fp16=dict(..., log_num_zeros_in_grad=True)``).
       params, init_params: a plain function's parameters, or ``init_params(rng,
         inputs)`` making them.
       seed: the default dropout key's seed (folded with the step).
@@ -687,6 +688,7 @@ def boost(
         raise TypeError(f"optimizer must be an optax GradientTransformation, e.g. "
                         f"optax.adamw(1e-3); got {type(optimizer).__name__}.")
     adapter = _adapter(model, mp, params, init_params)
-    return Boosted(mp, the_mesh, stage, accumulate, bool(log_num_zeros_in_grad), adapter,
+    zeros = bool(log_num_zeros_in_grad) or mp.log_num_zeros_in_grad  # the seed's naive key
+    return Boosted(mp, the_mesh, stage, accumulate, zeros, adapter,
                    make_optimizer(mp, optimizer), loss_fn, _getter(inputs, "inputs"),
                    _getter(targets, "targets"), seed)

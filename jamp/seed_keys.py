@@ -156,27 +156,15 @@ def _num_losses(value: Any) -> int:
     return value
 
 
-def _has_field(name: str) -> bool:
-    return name in {f.name for f in dataclasses.fields(LossScaleConfig)}
-
-
-def _extras(mp: MixedPrecision, num_losses: int = 1, verbose: bool = False,
-            verbose_is_seed_default: bool = True) -> MixedPrecision:
-    """``mp`` with the loss scale's ``num_losses`` and ``verbose`` where they mean something.
-
-    A seed's default value always works; a value that needs a field this jamp's
-    :class:`jamp.LossScaleConfig` lacks is an error (from :func:`jamp.mixed_precision`).
-    """
+def _extras(mp: MixedPrecision, num_losses: int = 1, verbose: bool = False) -> MixedPrecision:
+    """``mp`` with the loss scale's ``num_losses`` and ``verbose`` (where its kind reads it)."""
     from jamp.policy import mixed_precision  # noqa: PLC0415
 
     extras: dict[str, Any] = {}
     if _num_losses(num_losses) != 1:
         extras["num_losses"] = num_losses
-    if _has_field("verbose"):
-        if mp.loss_scale.uses("verbose"):
-            extras["verbose"] = bool(verbose)
-    elif verbose and not verbose_is_seed_default:
-        extras["verbose"] = True  # mixed_precision names the missing field
+    if mp.loss_scale.uses("verbose"):
+        extras["verbose"] = bool(verbose)
     return mixed_precision(mp, **extras) if extras else mp
 
 
@@ -304,7 +292,7 @@ def from_apex(opt_level: str = "O1", *, enabled: bool = True, cast_model_type: A
     if not isinstance(verbosity, int) or isinstance(verbosity, bool):
         raise ValueError(f"verbosity={verbosity!r}: apex's verbosity is an integer (0: quiet, "
                          "1: report loss-scale changes).")
-    return _extras(mp, num_losses, verbose=verbosity > 0, verbose_is_seed_default=True)
+    return _extras(mp, num_losses, verbose=verbosity > 0)
 
 
 def from_naive(log_num_zeros_in_grad: bool = False, initial_scale: float = 2.0**32,
@@ -335,7 +323,7 @@ def from_naive(log_num_zeros_in_grad: bool = False, initial_scale: float = 2.0**
         max_scale=_number("max_scale", max_scale), min_scale=_number("min_scale", min_scale),
         clip_grad_norm=_number("clip_grad", clip_grad),
         log_num_zeros_in_grad=_flag("log_num_zeros_in_grad", log_num_zeros_in_grad, False))
-    return _extras(mp, verbose=_flag("verbose", verbose, False), verbose_is_seed_default=False)
+    return _extras(mp, verbose=_flag("verbose", verbose, False))
 
 
 def _amp_type(mode: Any) -> AMP_TYPE:

@@ -209,6 +209,11 @@ def test_metrics_and_eval_step():
     assert {"loss", "loss_scale", "skipped", "grad_norm", "num_zeros_in_grad",
             "steps_skipped"} <= set(metrics)
     assert float(metrics["grad_norm"]) > 0
+    naive = jamp.mixed_precision(dict(mode=jamp.AMP_TYPE.NAIVE, log_num_zeros_in_grad=True,
+                                      initial_scale=2.0**8))
+    by_seed_key = jamp.boost(MLP, optax.sgd(0.1), loss_fn, naive)
+    _, zeros = by_seed_key.step(by_seed_key.init(jax.random.key(0), BATCH), BATCH)
+    assert int(zeros["num_zeros_in_grad"]) >= 0
     first, second = boosted.eval_step(state, BATCH), boosted.eval_step(state, BATCH)
     assert float(first["loss"]) == float(second["loss"])  # no dropout, running averages
 

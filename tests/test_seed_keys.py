@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import os
 import re
 
@@ -18,15 +18,9 @@ import jamp
 import jamp.config
 import jamp.experiment
 from jamp import AMP_TYPE, seed_keys
-from jamp.loss_scale import LossScaleConfig
 from jamp.policy import NORMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAS_NUM_LOSSES = hasattr(LossScaleConfig(), "num_losses")
-HAS_VERBOSE = hasattr(LossScaleConfig(), "verbose")
-needs_num_losses = pytest.mark.skipif(not HAS_NUM_LOSSES,
-                                      reason="LossScaleConfig.num_losses not merged yet")
-needs_verbose = pytest.mark.skipif(not HAS_VERBOSE, reason="LossScaleConfig.verbose not merged yet")
 F16, F32, BF16 = jnp.float16, jnp.float32, jnp.bfloat16
 
 # Seed 000's three blocks, with their default values as written there.
@@ -253,28 +247,14 @@ def test_naive_keys_and_clip_grad():
     assert float(optax.global_norm(updates)) == pytest.approx(1.0, rel=1e-2)
 
 
-@needs_num_losses
 def test_num_losses_reaches_the_loss_scale():
     assert jamp.mixed_precision(opt_level="O1", num_losses=3).loss_scale.num_losses == 3
     assert jamp.mixed_precision(dict(APEX_000, num_losses=2)).loss_scale.num_losses == 2
 
 
-@needs_verbose
 def test_verbose_reaches_the_loss_scale():
     assert jamp.mixed_precision(dict(mode=AMP_TYPE.NAIVE, verbose=True)).loss_scale.verbose
     assert not jamp.mixed_precision(opt_level="O1", verbosity=0).loss_scale.verbose
-
-
-@pytest.mark.skipif(HAS_NUM_LOSSES and HAS_VERBOSE, reason="the fields exist")
-def test_missing_loss_scale_fields_refuse_non_defaults_only():
-    assert jamp.mixed_precision("fp16", num_losses=1, verbose=False) == jamp.mixed_precision("fp16")
-    if not HAS_NUM_LOSSES:
-        with pytest.raises(ValueError, match="no num_losses field"):
-            jamp.mixed_precision(opt_level="O1", num_losses=2)
-    if not HAS_VERBOSE:
-        with pytest.raises(ValueError, match="no verbose field"):
-            jamp.mixed_precision(dict(mode=AMP_TYPE.NAIVE, verbose=True))
-        assert jamp.mixed_precision(dict(APEX_000, verbosity=1)) == seed_keys.from_apex()
 
 
 BAD = [
@@ -450,20 +430,27 @@ def _flags(expected):
     return check
 
 
-def _needs(feature, check):
-    def wrapped(code):
-        if not feature():
-            pytest.skip("built by another branch")
-        return check(code)
-    return wrapped
-
-
 def _boost_check(code):
-    assert callable(jamp.boost)
+    """The Booster's boost + backward: a NaN batch is skipped, a clean one trains."""
+    loss = lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    boosted = jamp.boost(nn.Dense(3), optax.sgd(0.1), loss, "fp16", accumulate=2)
+    x, y = jnp.ones((4, 2)), jnp.zeros(4, jnp.int32)
+    state = boosted.init(jax.random.key(0), (x, y))
+    state, bad = boosted.step(state, (x.at[0, 0].set(jnp.nan), y))
+    state, good = boosted.step(state, (x, y))
+    assert bool(bad["skipped"]) and not bool(good["skipped"])
+    assert float(good["loss_scale"]) == float(bad["loss_scale"]) / 2
 
 
 def _loss_id_check(code):
-    assert "loss_id" in inspect.signature(jamp.scale_loss).parameters
+    """Each loss is scaled by its own scale, and an overflow backs off that one only."""
+    tx = jamp.DynamicLossScale(optax.sgd(0.1), num_losses=2, init_scale=2.0**4)
+    state = tx.init({"w": jnp.ones(2)})
+    _, state = tx.update(({"w": jnp.ones(2)}, {"w": jnp.array([jnp.inf, 0.0])}), state)
+    assert float(jamp.scale_loss(jnp.float32(1.0), state, loss_id=0)) == 16.0
+    assert float(jamp.scale_loss(jnp.float32(1.0), state, loss_id=1)) == 8.0
+    with pytest.raises(ValueError, match="num_losses"):
+        jamp.scale_loss(jnp.float32(1.0), state, loss_id=2)
 
 
 def _upper_check(code):
@@ -503,10 +490,9 @@ CHECKS = {
     "loss_scale=128.0": _mp(lambda mp: scale(mp)[:2] == ("static", 128.0)),
     'loss_scale="dynamic"': _mp(lambda mp: mp.loss_scale.kind == "dynamic"),
     "cast_model_outputs=torch.float16": _mp(lambda mp: dtypes(mp.policy)[2] == F16),
-    "num_losses=2": _needs(lambda: HAS_NUM_LOSSES, _mp(lambda mp: mp.loss_scale.num_losses == 2)),
+    "num_losses=2": _mp(lambda mp: mp.loss_scale.num_losses == 2),
     "num_losses=0": _refused("integer >= 1"),
-    "amp.scale_loss(loss, optimizer, loss_id=i)": _needs(
-        lambda: "loss_id" in inspect.signature(jamp.scale_loss).parameters, _loss_id_check),
+    "amp.scale_loss(loss, optimizer, loss_id=i)": _loss_id_check,
     "verbosity=0": _mp(lambda mp: not getattr(mp.loss_scale, "verbose", False)),
     "min_loss_scale=None": _mp(lambda mp: mp.loss_scale.min_scale == 2.0**-126),
     "min_loss_scale, max_loss_scale": _mp(lambda mp: scale(mp)[6:] == (1.0, 2.**20)),
@@ -520,15 +506,14 @@ CHECKS = {
         lambda mp: scale(mp) == ("dynamic", 2.**16, 2.0, 0.5, 1000, 3, 2.0, 2.**20)),
     "clip_grad=1.0": _mp(lambda mp: mp.clip_grad_norm == 1.0),
     "log_num_zeros_in_grad=True": _mp(lambda mp: mp.log_num_zeros_in_grad),
-    "verbose=True": _needs(lambda: HAS_VERBOSE, _mp(lambda mp: mp.loss_scale.verbose)),
+    "verbose=True": _mp(lambda mp: mp.loss_scale.verbose),
     "Booster(mixed_precision='fp16')": _mp(lambda mp: mp.name == "fp16"),
     "Booster(mixed_precision='fp16_apex')": _mp(lambda mp: mp == seed_keys.from_apex("O1")),
     "Booster(mixed_precision='bf16')": _mp(lambda mp: mp.name == "bf16"),
     "Booster(mixed_precision='fp8')": _mp(lambda mp: mp.fp8 is not None),
     "Booster(mixed_precision='fp16_naive')": _mp(lambda mp: mp.loss_scale.hysteresis == 2),
-    "booster.boost(model, optimizer, criterion)": _needs(lambda: hasattr(jamp, "boost"),
-                                                         _boost_check),
-    "booster.backward(loss, optimizer)": _needs(lambda: hasattr(jamp, "boost"), _boost_check),
+    "booster.boost(model, optimizer, criterion)": _boost_check,
+    "booster.backward(loss, optimizer)": _boost_check,
     "gradient_accumulation = 4": _flags({"grad_accum_steps": 4}),
     "clip_grad_norm = 1.0": _flags({"grad_clip_norm": 1.0}),
     "parallel = dict(pipeline=2, tensor=dict(size=2, mode='1d'))": _flags(
@@ -560,7 +545,10 @@ def test_config_values_translate_and_refuse():
     assert (c.mode, c.grad_accum_steps, c.mesh.pipe, c.mesh.model, c.grad_clip_norm) == (
         "fp16_naive", 4, 2, 2, 0.0)
     assert (c.loss_scale.hysteresis, c.loss_scale.min_scale) == (1, 2.0**-126)
-    assert jamp.experiment.precision_from_config(c) == seed_keys.from_apex("O2")
+    want = seed_keys.from_apex("O2")  # apex's verbosity=1: the trainer's progress bar instead
+    want = dataclasses.replace(want, loss_scale=dataclasses.replace(want.loss_scale,
+                                                                    verbose=False))
+    assert jamp.experiment.precision_from_config(c) == want
     assert seed_keys.config_from_values({}).mode == "fp32"
     bad = [(dict(NUM_CLASSES=10), "jamp cannot map NUM_CLASSES"),
            (dict(fp16=dict(mode=AMP_TYPE.APEX, keep_batchnorm_fp32=False)), "cannot express"),
