@@ -67,7 +67,7 @@ from jamp.step import (
 
 
 def param_specs(exp: Experiment, shardings: Any) -> Any:
-    """The differentiated tree's mesh ``PartitionSpec``s without 'data' (the pipeline's
+    """The differentiated tree's mesh partition specs without 'data' (the pipeline's
     manual 'pipe' splits): the params', and the fp8 state's beside them.
 
     Example: see the module docstring (:func:`jit_train_step` steps with it).
