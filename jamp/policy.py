@@ -677,7 +677,8 @@ def to_mixed_precision(
                 ) from None
     else:
         raise TypeError(
-            "Expected a mode name, a policy string, a jamp.Policy or a jamp.MixedPrecision, "
+            "Expected a mode name, a policy string, a jamp.Policy, a jamp.MixedPrecision, "
+            "a Lightning precision (16, 32) or a Colossal-AI fp16=dict(...), "
             f"got {type(policy_or_mode).__name__}."
         )
     if overrides is not None:

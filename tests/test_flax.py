@@ -242,8 +242,10 @@ def test_bad_inputs_give_clear_errors():
         jamp.apply_policy(nn.Dense(2), "fp17")
     with pytest.raises(TypeError, match="expects a flax.linen.Module"):
         jamp.apply_policy(lambda x: x, "fp16")
-    with pytest.raises(TypeError, match="Expected a mode name"):
-        jamp.apply_policy(nn.Dense(2), 16)
+    with pytest.raises(TypeError, match="Expected a mode name.*Lightning precision"):
+        jamp.apply_policy(nn.Dense(2), 16.5)
+    # Lightning's precision=16 is a mode (jamp.seed_keys), not a wrong type.
+    assert jamp.apply_policy(nn.Dense(2), 16).precision.name == "fp16"
 
 
 def test_vit_initial_weights_are_the_same_in_every_mode_up_to_rounding():

@@ -504,8 +504,13 @@ def test_float16_trajectories_skip_and_scale_as_stage_0(stage):
     assert [float(x["loss_scale"]) for x in m] == [float(x["loss_scale"]) for x in m0]
     assert [int(x["steps_skipped"]) for x in m] == [int(x["steps_skipped"]) for x in m0]
     np.testing.assert_allclose([x["loss"] for x in m], [x["loss"] for x in m0], rtol=1e-4)
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5),
-                           p, p0)
+    bound = setup("fp16", MESH, stage)[0].config.learning_rate * len(m)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p), jax.tree_util.tree_leaves(p0),
+                            strict=True):
+        # The key bias's gradient is roundoff that Adam scales to lr-sized steps (see above).
+        noise = "key_bias" in jax.tree_util.keystr(path)
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=bound if noise else 1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 # ----------------------------------------------------------------------------- 5. overflow
