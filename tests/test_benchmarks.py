@@ -186,3 +186,12 @@ def test_largest_batch_from_a_good_guess_takes_two_calls():
     fits = lambda b: calls.append(b) or b <= 300
     assert common.largest_batch(fits, 296, granularity=8, step=8) == 296
     assert calls == [296, 304]
+
+
+def test_boost_step_times_the_three_steps():
+    from benchmarks import boost_step
+
+    result = boost_step.main(["--quick"])
+    assert set(result["rows"]) == {"hand", "trainer", "boost"}
+    assert all(row["step_ms"] > 0 for row in result["rows"].values())
+    assert "vs hand-written" in boost_step.to_markdown(result)
