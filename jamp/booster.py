@@ -394,6 +394,20 @@ class Boosted:
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def batch_sharding(self) -> jax.sharding.NamedSharding | None:
+        """How :meth:`step` lays out a batch: its leading axis over 'data' (None: one device).
+
+        ``step`` places host arrays with it. In a multi-process run pass global arrays
+        instead: ``jax.make_array_from_process_local_data(boosted.batch_sharding, local)``.
+
+        Example:
+          >>> import flax.linen as nn, optax, jamp
+          >>> jamp.boost(nn.Dense(1), optax.sgd(0.1), lambda y, t: y.mean()).batch_sharding is None
+          True
+        """
+        return None if self.mesh is None else parallel.batch_sharding(self.mesh)
+
     def init(self, rng: jax.Array, batch: Any) -> train_state.TrainState:
         """The initial state for batches shaped like ``batch``, created sharded.
 
