@@ -290,6 +290,15 @@ def _as_mesh(mesh: Any) -> jax.sharding.Mesh | None:
                     "{'data': -1} or {'data': 4, 'model': 2}, or a jax.sharding.Mesh.")
 
 
+_CONSTANT_CARRY = (
+    "This model runs a lax.scan (e.g. flax's nn.RNN) whose initial carry is built from "
+    "constants, and on a mesh whose 'data' axis has several devices jamp.boost differentiates "
+    "each shard inside jax.shard_map, where such a carry must vary over 'data' like the batch "
+    "(JAX's scan-vma rule). Build the carry from the inputs (e.g. "
+    "cell.initialize_carry(...) + 0 * x[:, 0, :1]), or pass an initial carry that is, or run "
+    "with mesh=None / a 'data' axis of 1 device.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Boosted:
     """What :func:`jamp.boost` returns: init, a train and an eval step, save and restore.
@@ -432,7 +441,12 @@ class Boosted:
         with _context(self.mesh):
             if built["batch_sharding"] is not None:
                 batch = jax.device_put(batch, built["batch_sharding"])
-            return built["step"](state, batch, rng)
+            try:
+                return built["step"](state, batch, rng)
+            except (ValueError, TypeError) as e:
+                if "manual axis types do not match" not in str(e):
+                    raise
+                raise ValueError(_CONSTANT_CARRY) from None
 
     def eval_step(self, state: train_state.TrainState, batch: Any) -> dict[str, Any]:
         """The loss (and ``loss_fn``'s metrics) on ``batch``, without dropout.

@@ -267,3 +267,25 @@ def test_bad_batches_and_calls_are_one_clear_error(tmp_path):
     plain.init(jax.random.key(0), BATCH)
     with pytest.raises(ValueError, match="No checkpoint"):
         plain.restore(tmp_path / "missing")
+
+
+class RNNClassifier(nn.Module):
+    """A third-party-style recurrent model: flax's nn.RNN starts its carry from zeros."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.RNN(nn.LSTMCell(8))(x)[:, -1])
+
+
+def test_a_recurrent_model_trains_on_one_device_and_says_why_not_on_a_data_mesh():
+    sequences = jnp.reshape(X, (16, 4, 2))
+    one = jamp.boost(RNNClassifier(), optax.adam(1e-2), loss_fn, "fp16", accumulate=2)
+    state = one.init(jax.random.key(0), (sequences, Y))
+    state, metrics = one.step(state, (sequences.at[3, 1, 0].set(jnp.nan), Y))
+    assert bool(metrics["skipped"])
+    state, metrics = one.step(state, (sequences, Y))
+    assert not bool(metrics["skipped"])
+    sharded = jamp.boost(RNNClassifier(), optax.adam(1e-2), loss_fn, "fp16", mesh={"data": 8})
+    state = sharded.init(jax.random.key(0), (sequences, Y))
+    with pytest.raises(ValueError, match="initial carry is built from constants"):
+        sharded.step(state, (sequences, Y))
