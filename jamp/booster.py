@@ -61,9 +61,16 @@ from jamp.autocast import autocast
 from jamp.parallel import zero
 from jamp.parallel.read_dtypes import read_dtypes
 from jamp.policy import MixedPrecision, to_mixed_precision
-from jamp.step import differentiated_variables, loss_scaled_step, make_optimizer
+from jamp.step import (
+    ValueAndGrad,
+    combined_by_max,
+    differentiated_variables,
+    loss_scaled_step,
+    make_optimizer,
+)
 
-__all__ = ["Boosted", "PytreeTrainState", "StatefulTrainState", "assemble_step", "boost"]
+__all__ = ["Boosted", "PytreeTrainState", "StatefulTrainState", "assemble_step", "boost",
+           "gradient_function"]
 
 Key = str | int | Callable[[Any], Any]
 """Where a batch holds something: a dict key, a tuple index, or a function of the batch."""
@@ -370,7 +377,7 @@ class Boosted:
             lambda state, variables, batch, rng: self._forward_loss(state, variables, batch,
                                                                     rng, True),
             mesh=self.mesh, shardings=shardings, plan=plan, accumulate=self.accumulate,
-            max_leaves=(False, True) if differentiated_variables(abstract) else None,
+            max_leaves=combined_by_max(abstract),
             log_num_zeros_in_grad=self.log_num_zeros_in_grad, finish=_keep_model_state)
         if shardings is not None:
             abstract = jax.tree_util.tree_map(
@@ -386,9 +393,8 @@ class Boosted:
     def _plan(self, abstract: Any, shardings: Any, inputs: Any) -> zero.Plan:
         params = abstract.params
         specs = jax.tree_util.tree_map(lambda s: zero.without_data(s.spec), shardings.params)
-        dims = zero.split_dims(params, specs, self.mesh.shape[zero.DATA])
-        read = None
         extras = differentiated_variables(abstract)
+        read = None
         if self.zero_stage == 3:
             plain = lambda tree: jax.tree_util.tree_map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
@@ -396,10 +402,8 @@ class Boosted:
             readable = {**extras, **getattr(abstract, "model_state", {})}  # e.g. batch_stats
             with _context(self.mesh):
                 read = read_dtypes(forward, plain(params), inputs, plain(readable))
-        if extras:  # the step differentiates (params, extras); extras are never split
-            nothing = jax.tree_util.tree_map(lambda _: None, extras)
-            dims, read = (dims, nothing), (read, nothing) if read is not None else None
-        return zero.Plan(self.zero_stage, dims, read)
+        return zero.make_plan(self.zero_stage, params, self.mesh, specs, read_dtypes=read,
+                              beside=extras)
 
     # ------------------------------------------------------------------ public
 
@@ -573,6 +577,27 @@ def _context(mesh: jax.sharding.Mesh | None) -> Iterator[None]:
         yield
 
 
+def gradient_function(*, mesh: jax.sharding.Mesh | None = None, plan: zero.Plan | None = None,
+                      accumulate: int = 1, max_leaves: Any = None, param_specs: Any = None,
+                      pipelined: bool = False) -> ValueAndGrad:
+    """How :func:`assemble_step` differentiates: on ``mesh`` (data-parallel in float32, the
+    ZeRO ``plan``, a pipeline over 'pipe' when ``pipelined``:
+    :func:`jamp.parallel.step.value_and_grad`), or on one device
+    (:func:`jamp.grad_accum.value_and_grad`); ``accumulate`` micro-batches either way.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> f = gradient_function(accumulate=2)(lambda w, b: (jnp.mean(b @ w), {}))
+      >>> (value, _), grads = f(jnp.ones(2), jnp.ones((4, 2)))
+      >>> float(value), grads.tolist()
+      (2.0, [1.0, 1.0])
+    """
+    if mesh is None:
+        return lambda fun: grad_accum.value_and_grad(fun, accumulate, max_leaves)
+    return parallel.step.value_and_grad(param_specs, pipelined=pipelined, plan=plan,
+                                        accumulate=accumulate, max_leaves=max_leaves)
+
+
 def assemble_step(
     loss_fn: Callable[..., tuple[jax.Array, dict[str, Any]]],
     *,
@@ -613,12 +638,9 @@ def assemble_step(
       >>> float(metrics["loss"]), bool(metrics["skipped"])
       (2.0, False)
     """
-    if mesh is None:
-        value_and_grad = lambda fun: grad_accum.value_and_grad(fun, accumulate, max_leaves)
-    else:
-        value_and_grad = parallel.step.value_and_grad(
-            param_specs, pipelined=pipelined, plan=plan, accumulate=accumulate,
-            max_leaves=max_leaves)
+    value_and_grad = gradient_function(mesh=mesh, plan=plan, accumulate=accumulate,
+                                       max_leaves=max_leaves, param_specs=param_specs,
+                                       pipelined=pipelined)
 
     def step(state, batch, rng):
         new, metrics = loss_scaled_step(state, batch, rng,

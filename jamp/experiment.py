@@ -485,15 +485,11 @@ def zero_plan(exp: Experiment, abstract: Any) -> zero.Plan:
     stage = exp.config.zero_stage
     params = abstract.params
     specs = jax.tree_util.tree_map(lambda a: zero.without_data(a.sharding.spec), params)
-    dims = zero.split_dims(params, specs, exp.mesh.shape["data"])
-    read = _read_dtypes(exp, abstract) if stage == 3 else None
-    per_layer = ("encoder", "layers") if exp.config.scan_layers else None
-    extras = differentiated_variables(abstract)  # e.g. the fp8 state: never split
-    if extras:  # jamp.train_step differentiates (params, extras)
-        nothing = jax.tree_util.tree_map(lambda _: None, extras)
-        dims, read = (dims, nothing), (read, nothing) if read is not None else None
-        per_layer = None if per_layer is None else (0, *per_layer)
-    return zero.Plan(stage, dims, read, per_layer)
+    return zero.make_plan(
+        stage, params, exp.mesh, specs,
+        read_dtypes=_read_dtypes(exp, abstract) if stage == 3 else None,
+        per_layer=("encoder", "layers") if exp.config.scan_layers else None,
+        beside=differentiated_variables(abstract))  # e.g. the fp8 state: never split
 
 
 def _read_dtypes(exp: Experiment, abstract: Any) -> Any:

@@ -703,7 +703,7 @@ def config_from_values(values: Mapping[str, Any], source: str = "the config") ->
         settings["grad_accum_steps"] = lower.pop("gradient_accumulation")
     if "parallel" in lower:
         settings.update(_parallel(lower.pop("parallel"), upper))
-    if getattr(mp.loss_scale, "num_losses", 1) != 1:
+    if mp.loss_scale.num_losses != 1:
         raise ValueError(f"{source}: num_losses={mp.loss_scale.num_losses}: jamp.train has one "
                          "loss, so one loss scale; drop num_losses (or use jamp.scale_loss(..., "
                          "loss_id=i) in your own loop).")
@@ -776,12 +776,9 @@ def _set(config: Any, key: str, value: Any, source: str) -> None:
 
 def _same_precision(got: MixedPrecision, want: MixedPrecision, source: str) -> None:
     neutral = dict(clip_grad_norm=0.0, log_num_zeros_in_grad=False)
-    got_ls = dataclasses.replace(got.loss_scale)
-    want_ls = dataclasses.replace(want.loss_scale)
-    for name in ("verbose",):
-        if hasattr(want_ls, name):
-            want_ls = dataclasses.replace(want_ls, **{name: getattr(got_ls, name)})
-    a = dataclasses.replace(got, loss_scale=got_ls, **neutral)
+    # The trainer shows scale changes in its progress bar: verbose is not a difference.
+    want_ls = dataclasses.replace(want.loss_scale, verbose=got.loss_scale.verbose)
+    a = dataclasses.replace(got, **neutral)
     b = dataclasses.replace(want, loss_scale=want_ls, **neutral)
     if a != b:
         diff = [f.name for f in dataclasses.fields(MixedPrecision)

@@ -110,6 +110,20 @@ def differentiated_variables(state: train_state.TrainState) -> dict[str, Any]:
     return state.differentiated_variables() if isinstance(state, TrainState) else {}
 
 
+def combined_by_max(state: Any) -> tuple[bool, bool] | None:
+    """The ``max_leaves`` of ``state``'s differentiated tree: ``(False, True)`` when the step
+    differentiates ``(params, extras)`` (the extras, e.g. the fp8 state, combine by max over
+    accumulated micro-batches), else None (the params alone, summed).
+
+    Example:
+      >>> import optax, jamp
+      >>> print(combined_by_max(jamp.step.TrainState.create(apply_fn=None, params={},
+      ...                                                    tx=optax.sgd(0.1))))
+      None
+    """
+    return (False, True) if differentiated_variables(state) else None
+
+
 def make_optimizer(
     mp: PolicyLike,
     tx: optax.GradientTransformation,

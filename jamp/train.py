@@ -40,7 +40,7 @@ from flax.training import train_state
 from tqdm import tqdm
 
 from jamp import data, parallel, run_summary
-from jamp.booster import assemble_step
+from jamp.booster import assemble_step, gradient_function
 from jamp.checkpoint import Checkpointer
 from jamp.experiment import (
     Config,
@@ -58,6 +58,7 @@ from jamp.run_summary import NonFiniteLossError  # noqa: F401  (jamp.train.NonFi
 from jamp.step import (
     ValueAndGrad,
     classification_loss,
+    combined_by_max,
     cross_entropy,
     differentiated_variables,
     eval_step,
@@ -85,11 +86,10 @@ def mesh_value_and_grad(exp: Experiment, shardings: Any, plan: zero.Plan | None 
 
     Example: see the module docstring (:func:`jit_train_step` steps with it).
     """
-    extras = differentiated_variables(shardings)
-    return parallel.step.value_and_grad(param_specs(exp, shardings),
-                                        pipelined=exp.pipeline is not None, plan=plan,
-                                        accumulate=exp.config.grad_accum_steps,
-                                        max_leaves=(False, True) if extras else None)
+    return gradient_function(mesh=exp.mesh, plan=plan, accumulate=exp.config.grad_accum_steps,
+                             max_leaves=combined_by_max(shardings),
+                             param_specs=param_specs(exp, shardings),
+                             pipelined=exp.pipeline is not None)
 
 
 def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None) -> Callable:
@@ -111,11 +111,10 @@ def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None) -> Cal
             with nn.logical_axis_rules(()):
                 abstract, _ = state_shardings(exp, jax.random.key(exp.config.seed))
         plan = zero_plan(exp, abstract)
-    extras = differentiated_variables(shardings)
     return assemble_step(
         classification_loss(exp.config.label_smoothing), mesh=exp.mesh, shardings=shardings,
         plan=plan, accumulate=exp.config.grad_accum_steps,
-        max_leaves=(False, True) if extras else None,
+        max_leaves=combined_by_max(shardings),
         param_specs=param_specs(exp, shardings), pipelined=exp.pipeline is not None,
         log_num_zeros_in_grad=exp.config.log_num_zeros_in_grad)
 

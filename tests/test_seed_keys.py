@@ -493,7 +493,7 @@ CHECKS = {
     "num_losses=2": _mp(lambda mp: mp.loss_scale.num_losses == 2),
     "num_losses=0": _refused("integer >= 1"),
     "amp.scale_loss(loss, optimizer, loss_id=i)": _loss_id_check,
-    "verbosity=0": _mp(lambda mp: not getattr(mp.loss_scale, "verbose", False)),
+    "verbosity=0": _mp(lambda mp: not mp.loss_scale.verbose),
     "min_loss_scale=None": _mp(lambda mp: mp.loss_scale.min_scale == 2.0**-126),
     "min_loss_scale, max_loss_scale": _mp(lambda mp: scale(mp)[6:] == (1.0, 2.**20)),
     'amp.initialize(model, optimizer, opt_level="O1")': lambda code: isinstance(

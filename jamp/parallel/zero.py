@@ -261,7 +261,8 @@ class Plan:
 
 
 def make_plan(stage: int, params: Any, mesh: jax.sharding.Mesh, specs: Any = None, *,
-              read_dtypes: Any = None, per_layer: tuple[Any, ...] | None = None) -> Plan:
+              read_dtypes: Any = None, per_layer: tuple[Any, ...] | None = None,
+              beside: Any = None) -> Plan:
     """The :class:`Plan` of ``stage`` for ``params`` (arrays or ``ShapeDtypeStruct``) on ``mesh``.
 
     For your own loop: place the parameters with :func:`shardings` (stage 3) and the
@@ -279,6 +280,9 @@ def make_plan(stage: int, params: Any, mesh: jax.sharding.Mesh, specs: Any = Non
         in its own dtype.
       per_layer: stage 3: the path of stacked layers a :class:`GatherPerLayer`
         runner in the model gathers one at a time.
+      beside: variables the step differentiates beside the parameters, as the
+        tuple ``(params, beside)`` (the fp8 delayed-scaling state): never split or
+        gathered. Empty or None: the plan is for ``params`` alone.
 
     Example:
       >>> import jax.numpy as jnp
@@ -286,9 +290,16 @@ def make_plan(stage: int, params: Any, mesh: jax.sharding.Mesh, specs: Any = Non
       >>> plan = zero.make_plan(2, {"w": jnp.ones((4, 2))}, make_mesh({"data": 1}))
       >>> plan.stage, plan.dims
       (2, {'w': None})
+      >>> zero.make_plan(2, {"w": jnp.ones(4)}, make_mesh({"data": 1}), beside={"m": 1}).dims
+      ({'w': None}, {'m': None})
     """
-    return Plan(check_stage(stage), split_dims(params, specs, dict(mesh.shape).get(DATA, 1)),
-                read_dtypes, per_layer)
+    dims = split_dims(params, specs, dict(mesh.shape).get(DATA, 1))
+    if beside:
+        nothing = jax.tree_util.tree_map(lambda _: None, beside)
+        dims = (dims, nothing)
+        read_dtypes = None if read_dtypes is None else (read_dtypes, nothing)
+        per_layer = None if per_layer is None else (0, *per_layer)
+    return Plan(check_stage(stage), dims, read_dtypes, per_layer)
 
 
 def _gatherer(axis_name: str, dim: int, dtype: Any, param_dtype: Any) -> Callable:
