@@ -10,6 +10,8 @@ Usage::
   python -m benchmarks.run_all                       # ViT-B/16, 224px, batch 128, on the GPU
   python -m benchmarks.run_all --variant ti16 --image-size 64 --batch 8 --steps 5   # CPU
   python -m benchmarks.run_all --keep-dir /tmp/bench   # repeat until done if a call is cut off
+  python -m benchmarks.run_all --from-dir /tmp/runs   # merge the jamp-*.json and torch-*.json
+                                                      # that throughput / torch_amp wrote there
 """
 
 from __future__ import annotations
@@ -213,28 +215,9 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Runs both benchmarks and (unless ``--no-write``) writes the comparison files."""
-    ap = common.parser(__doc__, timing=(20, 3))
-    common.add_vit(ap)
-    ap.add_argument("--modes", type=common.modes, default=list(jamp.MODES), help="jamp modes")
-    ap.add_argument("--torch-modes", type=common.split, default=["fp32", "fp16", "bf16"])
-    ap.add_argument("--torch-compile", default="eager,compile", help="eager and/or compile")
-    ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=True,
-                    help="search the largest batch per mode (GPU only; n/a on CPU)")
-    ap.add_argument("--remat", action="store_true")
-    ap.add_argument("--torch-threads", type=int, default=None,
-                    help="torch CPU threads (1 on a busy shared CPU host)")
-    ap.add_argument("--keep-dir", default=None,
-                    help="keep each subprocess's JSON here and reuse it when the same command "
-                         "is run again (to finish a long run in several shorter calls)")
-    args = ap.parse_args(argv)
-    config = {k: getattr(args, k) for k in ("variant", "image_size", "batch", "steps", "warmup",
-                                            "remat", "num_classes", "num_layers")}
-    shared = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-        "variant", "patch_size", "image_size", "batch", "num_classes", "num_layers", "steps",
-        "warmup") if getattr(args, k) is not None]
-    extra = ["--max-batch"] if args.max_batch else []
+def _measure(args: argparse.Namespace, shared: list[str],
+             extra: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Runs each jamp mode and each PyTorch mode in its own process; their results."""
     keep = args.keep_dir
     with (contextlib.nullcontext(keep) if keep
           else tempfile.TemporaryDirectory(prefix="jamp-bench-")) as tmp:
@@ -254,6 +237,52 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "--modes", mode, "--compile", args.torch_compile] + extra + (
             ["--threads", str(args.torch_threads)] if args.torch_threads else []))
             for mode in args.torch_modes]
+    return jamp_runs, torch_runs
+
+
+def _read_runs(folder: Path, modes: list[str]) -> tuple[list[dict[str, Any]], list[dict]]:
+    """The jamp (in ``modes``' order) and PyTorch results written as JSON in ``folder``."""
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    jamp_runs = [r for r in runs if r.get("framework") == "jamp"]
+    order = {m: i for i, m in enumerate(modes)}
+    jamp_runs.sort(key=lambda r: order.get(r["results"][0]["mode"], len(order)))
+    torch_runs = [r for r in runs if r.get("framework") == "torch"]
+    if not jamp_runs:
+        raise SystemExit(f"--from-dir {folder}: no jamp results (*.json from "
+                         "benchmarks.throughput --json) there.")
+    return jamp_runs, torch_runs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs both benchmarks and (unless ``--no-write``) writes the comparison files."""
+    ap = common.parser(__doc__, timing=(20, 3))
+    common.add_vit(ap)
+    ap.add_argument("--modes", type=common.modes, default=list(jamp.MODES), help="jamp modes")
+    ap.add_argument("--torch-modes", type=common.split, default=["fp32", "fp16", "bf16"])
+    ap.add_argument("--torch-compile", default="eager,compile", help="eager and/or compile")
+    ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=True,
+                    help="search the largest batch per mode (GPU only; n/a on CPU)")
+    ap.add_argument("--remat", action="store_true")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch CPU threads (1 on a busy shared CPU host)")
+    ap.add_argument("--keep-dir", default=None,
+                    help="keep each subprocess's JSON here and reuse it when the same command "
+                         "is run again (to finish a long run in several shorter calls)")
+    ap.add_argument("--from-dir", default=None,
+                    help="run nothing: merge the jamp-*.json and torch-*.json results that "
+                         "benchmarks.throughput / benchmarks.torch_amp wrote (--json) there")
+    args = ap.parse_args(argv)
+    config = {k: getattr(args, k) for k in ("variant", "image_size", "batch", "steps", "warmup",
+                                            "remat", "num_classes", "num_layers")}
+    shared = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
+        "variant", "patch_size", "image_size", "batch", "num_classes", "num_layers", "steps",
+        "warmup") if getattr(args, k) is not None]
+    extra = ["--max-batch"] if args.max_batch else []
+    if args.from_dir:
+        jamp_runs, torch_runs = _read_runs(Path(args.from_dir), args.modes)
+        config = {k: jamp_runs[0]["config"].get(k, v) for k, v in config.items()}
+    else:
+        jamp_runs, torch_runs = _measure(args, shared, extra)
     device = jamp_runs[0]["device"]
     on_cpu = device["platform"] == "cpu"
     rows = _merge(jamp_runs, torch_runs)

@@ -16,6 +16,7 @@ Usage::
   python -m benchmarks.throughput --variant ti16 --image-size 64 --batch 8 --steps 5 \\
       --modes fp32,bf16 --json /tmp/tp.json
   python -m benchmarks.throughput --modes bf16 --max-batch --remat
+  python -m benchmarks.throughput --modes bf16 --profile /tmp/trace   # + a profiler trace
   python -m benchmarks.throughput --frameworks linen,nnx --variant ti4 --image-size 32 \\
       --batch 32 --num-layers 4 --num-classes 10 --modes fp32,bf16,fp16   # NNX vs linen
 """
@@ -251,6 +252,10 @@ def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
     times = common.time_steps({mode: step}, warmup=max(args.warmup - 1, 0),
                               steps=args.steps)[mode]
+    if args.profile:  # a few steps in a JAX profiler trace (xplane.pb), after the timing
+        with jax.profiler.trace(f"{args.profile}/{mode}"):
+            for _ in range(3):
+                step()
     metrics = jax.device_get(carry["metrics"])
     flops = common.train_flops(args)
     row: dict[str, Any] = dict(
@@ -286,6 +291,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True,
                     help="donate the train state to the step (default on)")
     ap.add_argument("--max-batch", action="store_true", help="search the largest batch")
+    ap.add_argument("--profile", default=None,
+                    help="after the timing, trace 3 steps with jax.profiler into DIR/<mode>")
     ap.add_argument("--frameworks", type=common.split, default=["linen"],
                     help="the ViT's Flax API(s): linen, nnx or both")
     args = ap.parse_args(argv)
