@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the baseline; prints one line per run; returns (and optionally writes) results."""
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:  # memory-fraction calls need an index
+        device = torch.device("cuda", torch.cuda.current_device())
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cuda":

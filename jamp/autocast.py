@@ -348,9 +348,9 @@ def _convert(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
     return [invals[0].astype(eqn.params["new_dtype"])]
 
 
-def _whole_softmax(closed: jex.ClosedJaxpr, rules: Rules) -> tuple[str, tuple] | None:
+def _whole_softmax(closed: Any, rules: Rules) -> tuple[str, tuple] | None:
     """A custom-derivative function that is exactly a softmax of its one input."""
-    jaxpr = closed.jaxpr
+    jaxpr, _ = regions.open_jaxpr(closed)
     if len(jaxpr.invars) != 1 or len(jaxpr.outvars) != 1:
         return None
     plan = _plan(jaxpr, dataclasses.replace(rules, softmax=True))
@@ -360,9 +360,9 @@ def _whole_softmax(closed: jex.ClosedJaxpr, rules: Rules) -> tuple[str, tuple] |
     return None
 
 
-def _generic(closed: jex.ClosedJaxpr) -> bool:
+def _generic(closed: Any) -> bool:
     """Whether a function runs on any floating dtype: only dtype-generic and float32-list ops."""
-    jaxpr, _ = regions.inline(closed.jaxpr, closed.consts)
+    jaxpr, _ = regions.inline(*regions.open_jaxpr(closed))
     return all(e.primitive.name in _POLYMORPHIC | _FLOAT32 | {"custom_jvp_call"}
                for e in jaxpr.eqns)
 
@@ -398,7 +398,7 @@ def _custom(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
         found = _whole_softmax(eqn.params["call_jaxpr"], rules)
     if found is None:
         if (rules.cast_dots and eqn.primitive.name == "custom_jvp_call"
-                and not eqn.params["num_consts"]
+                and not eqn.params.get("num_consts", 0)
                 and any(is_floating(x) and x.dtype in _HALF for x in invals)
                 and _generic(eqn.params["call_jaxpr"])):
             return _custom_jvp(eqn, invals, rules)
@@ -415,7 +415,7 @@ def _cast_like(values: Sequence[Any], like: Sequence[Any]) -> list:
 def _scan(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
     """``lax.scan`` again; the carry keeps the dtype it enters with."""
     p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_consts, n_carry = regions.scan_counts(eqn)
     consts, carry, xs = (invals[:n_consts], list(invals[n_consts:n_consts + n_carry]),
                          list(invals[n_consts + n_carry:]))
 
@@ -499,8 +499,9 @@ def _literal(v: jex.Literal) -> Any:
         dtype, jnp.number) else v.val
 
 
-def _eval_closed(closed: jex.ClosedJaxpr, args: Sequence[Any], rules: Rules) -> list:
-    return _eval(closed.jaxpr, closed.consts, args, rules)
+def _eval_closed(closed: Any, args: Sequence[Any], rules: Rules) -> list:
+    """Evaluates a nested jaxpr parameter (closed, or open as in JAX 0.11) on ``args``."""
+    return _eval(*regions.open_jaxpr(closed), args, rules)
 
 
 def _narrow_constants(invals: Sequence[Any], eqn: jex.JaxprEqn, plan: _Plan) -> list:

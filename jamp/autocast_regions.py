@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
-__all__ = ["NormRegion", "constants", "inline", "narrow_finite", "norm_regions", "producers",
-           "softmax_at", "state_equations", "state_inputs"]
+__all__ = ["NormRegion", "constants", "inline", "narrow_finite", "norm_regions", "open_jaxpr",
+           "producers", "scan_counts", "softmax_at", "state_equations", "state_inputs"]
 
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr"}
 _SHAPE = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
@@ -60,6 +60,51 @@ _DOTS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 # ----------------------------------------------------------------------------- inline
+
+
+def open_jaxpr(jaxpr: Any) -> tuple[jex.Jaxpr, list]:
+    """A nested jaxpr parameter and its consts, whether JAX gives it closed (a
+    ``ClosedJaxpr``, JAX <= 0.10) or open (a ``Jaxpr``, JAX 0.11).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> closed = jax.make_jaxpr(lambda x: x + 1)(1.0)
+      >>> [len(open_jaxpr(j)[0].eqns) for j in (closed, closed.jaxpr)]
+      [1, 1]
+    """
+    if isinstance(jaxpr, jex.ClosedJaxpr):
+        return jaxpr.jaxpr, list(jaxpr.consts)
+    return jaxpr, []
+
+
+def scan_counts(eqn: jex.JaxprEqn) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation: its parameters where JAX names
+    them (<= 0.10); else from the shapes, since only the scanned inputs and outputs carry
+    the leading ``length`` axis beside the body's (JAX 0.11 names neither).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> f = lambda k, xs: jax.lax.scan(lambda c, x: (c * x + k, x), 0.0, xs)
+      >>> eqn = jax.make_jaxpr(f)(1.0, jnp.ones(3)).jaxpr.eqns[-1]
+      >>> scan_counts(eqn)
+      (1, 1)
+    """
+    p = eqn.params
+    if "num_consts" in p and "num_carry" in p:
+        return p["num_consts"], p["num_carry"]
+    body, _ = open_jaxpr(p["jaxpr"])
+    stacked = lambda outer, inner: outer.aval.shape == (p["length"], *inner.aval.shape)
+
+    def trailing(outer: Sequence[Any], inner: Sequence[Any]) -> int:
+        n = 0
+        for a, b in zip(reversed(outer), reversed(inner), strict=True):
+            if not stacked(a, b):
+                break
+            n += 1
+        return n
+
+    n_carry = len(eqn.outvars) - trailing(eqn.outvars, body.outvars)
+    return len(eqn.invars) - n_carry - trailing(eqn.invars, body.invars), n_carry
 
 
 def inline(jaxpr: jex.Jaxpr, consts: Sequence[Any]) -> tuple[jex.Jaxpr, list]:
@@ -94,8 +139,7 @@ def inline(jaxpr: jex.Jaxpr, consts: Sequence[Any]) -> tuple[jex.Jaxpr, list]:
         for e in inner.eqns:
             invars = [get(a) for a in e.invars]
             if e.primitive.name in _CALLS:
-                closed = e.params[_CALLS[e.primitive.name]]
-                outs = emit(closed.jaxpr, closed.consts, invars)
+                outs = emit(*open_jaxpr(e.params[_CALLS[e.primitive.name]]), invars)
                 sub.update(zip(e.outvars, outs, strict=True))
                 continue
             outvars = [jex.Var(v.aval) for v in e.outvars]
@@ -106,8 +150,8 @@ def inline(jaxpr: jex.Jaxpr, consts: Sequence[Any]) -> tuple[jex.Jaxpr, list]:
     for e in jaxpr.eqns:
         invars = [resolve(a) for a in e.invars]
         if e.primitive.name in _CALLS:
-            closed = e.params[_CALLS[e.primitive.name]]
-            alias.update(zip(e.outvars, emit(closed.jaxpr, closed.consts, invars), strict=True))
+            outs = emit(*open_jaxpr(e.params[_CALLS[e.primitive.name]]), invars)
+            alias.update(zip(e.outvars, outs, strict=True))
         else:
             eqns.append(e.replace(invars=invars))
     outvars = [resolve(a) for a in jaxpr.outvars]

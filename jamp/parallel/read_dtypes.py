@@ -48,6 +48,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from jamp import autocast_regions as regions
+
 __all__ = ["read_dtypes"]
 
 # Primitives whose output is (a rearrangement of) elements of the operands at these
@@ -133,7 +135,7 @@ def _through(eqn: Any, hits: list[int], reads: _Reads) -> list[Any]:
         return [eqn.outvars[j] for j in escaped]
     if name == "scan":
         body = _open(params["jaxpr"])
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        n_consts, n_carry = regions.scan_counts(eqn)
         if any(n_consts <= i < n_consts + n_carry for i in hits):
             reads.raw = True  # a carry mixes the leaf with the loop's other values
             return []
