@@ -2,10 +2,14 @@
 # One lent-GPU session's measurements, most important first, each in its own process.
 #
 # Results (JSON per process, a JAX profiler trace and the optimised HLO of jamp's bf16 step)
-# go to $WORK and are packed into $OUT/gpu_round.tgz after every phase, so a run cut off at
-# its time limit still returns what it finished. Afterwards, on any machine:
+# go to $WORK and are packed into $OUT/results.tgz (figures), trace.tgz and hlo.tgz (each
+# only while under the 16 MiB a returned file may have) after every phase, so a run cut off
+# at its time limit still returns what it finished. Afterwards, on any machine:
 #
-#   tar xzf gpu_round.tgz -C /tmp/gpu && python -m benchmarks.run_all --from-dir /tmp/gpu/b16
+#   tar xzf results.tgz -C /tmp/gpu && python -m benchmarks.run_all --from-dir /tmp/gpu/b16
+#
+# If even results.tgz is lost, the log (tee it to $OUT/log.txt) has every figure:
+# `python -m benchmarks.gpu_log log.txt --out DIR` rebuilds the JSON files.
 #
 # Usage (the device machine; `.whl` carried, see ../shared/gpu/README.md):
 #   OUT=/tmp/out bash benchmarks/gpu_round.sh
@@ -22,8 +26,16 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
 T0=$(date +%s)
 VIT=(--variant "$VARIANT" --image-size "$IMG" --batch "$BATCH" --steps "$STEPS" --warmup 3)
 
-pack() {  # what is done so far, atomically, into $OUT
-  tar czf "$OUT/gpu_round.tgz.part" -C "$WORK" . && mv "$OUT/gpu_round.tgz.part" "$OUT/gpu_round.tgz"
+pack() {  # what is done so far, atomically, into $OUT: the figures apart from the bulky
+  # profile and HLO, each under the device tool's 16 MiB per returned file
+  tar czf "$OUT/results.tgz.part" -C "$WORK" --exclude=./trace --exclude=./hlo \
+    --exclude='*.tfevents.*' . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"
+  for extra in trace hlo; do
+    [ -d "$WORK/$extra" ] && tar czf "$OUT/$extra.tgz.part" -C "$WORK" "$extra" \
+      && [ "$(stat -c %s "$OUT/$extra.tgz.part")" -lt 16000000 ] \
+      && mv "$OUT/$extra.tgz.part" "$OUT/$extra.tgz"
+    rm -f "$OUT/$extra.tgz.part"
+  done
   echo "== packed at $(( $(date +%s) - T0 )) s"
 }
 phase() {  # phase NAME TIMEOUT_S COMMAND...: runs, logs its time, packs
@@ -43,6 +55,7 @@ print(jax.devices(), \"jax\", jax.__version__, \"flax\", flax.__version__, \"opt
 phase jamp-bf16 180 env XLA_FLAGS="--xla_dump_to=$WORK/hlo --xla_dump_hlo_module_re=.*train_step.*" \
   python3 -m benchmarks.throughput "${VIT[@]}" --modes bf16 --profile "$WORK/trace" \
   --json "$WORK/b16/jamp-bf16.json"
+find "$WORK/trace" -name '*.xplane.pb' -delete 2>/dev/null  # the trace.json.gz remains
 find "$WORK/hlo" -type f ! -name '*after_optimizations.txt' ! -name '*buffer-assignment.txt' -delete 2>/dev/null; find "$WORK/hlo" -type d -empty -delete 2>/dev/null
 phase torch-bf16 240 python3 -m benchmarks.torch_amp "${VIT[@]}" --modes bf16 \
   --compile eager,compile --json "$WORK/b16/torch-bf16.json"

@@ -109,8 +109,15 @@ def _targets(rows: list[dict[str, Any]], on_cpu: bool) -> list[dict[str, Any]]:
          "x"),
         ("bf16 MFU", get("bf16", "jamp_mfu"), ">=", 0.45, "%"),
         ("fp16 img/s vs bf16 img/s", _ratio(fp16_ips, bf16_ips), ">=", 0.97, "x"),
+        ("fp16_naive img/s vs bf16 img/s", _ratio(get("fp16_naive", "jamp_images_per_sec"),
+                                                  bf16_ips), ">=", 0.95, "x"),
         ("fp16 peak memory vs fp32", get("fp16", "jamp_peak_vs_fp32"), "<=", 0.55, "x"),
         ("bf16 peak memory vs fp32", get("bf16", "jamp_peak_vs_fp32"), "<=", 0.55, "x"),
+        *((f"{m} peak memory vs PyTorch AMP {m} eager", _ratio(
+            get(m, "jamp_peak_bytes"), get(m, "torch_eager_peak_bytes")), "<=", 1.0, "x")
+          for m in ("fp16", "bf16")),
+        ("bf16 largest batch vs fp32's", _ratio(get("bf16", "jamp_max_batch"),
+                                                get("fp32", "jamp_max_batch")), ">=", 1.8, "x"),
     ]
     return [dict(target=name, value=value, op=op, bound=bound, unit=unit,
                  verdict="n/a on CPU" if on_cpu else "not measured" if value is None else

@@ -195,3 +195,32 @@ def test_boost_step_times_the_three_steps():
     assert set(result["rows"]) == {"hand", "trainer", "boost"}
     assert all(row["step_ms"] > 0 for row in result["rows"].values())
     assert "vs hand-written" in boost_step.to_markdown(result)
+
+
+GPU_ROUND = Path(__file__).resolve().parents[1] / "benchmarks/results/gpu_round-nvidia-h200-2026-11-26"
+
+
+def test_gpu_log_rebuilds_the_committed_gpu_results(tmp_path):
+    """The GPU round's log gives back the committed per-process files (max batch folded in),
+    and run_all --from-dir renders them with the targets measured."""
+    from benchmarks import gpu_log
+
+    text = (GPU_ROUND / "log.txt").read_text()
+    written = gpu_log.write(gpu_log.parse(text), tmp_path, 15, 3, "1.0.29")
+    names = sorted(str(p.relative_to(tmp_path)) for p in written)
+    assert names == sorted(str(p.relative_to(GPU_ROUND)) for p in GPU_ROUND.glob("*/*.json"))
+    for path in written:
+        assert json.loads(path.read_text()) == json.loads(
+            (GPU_ROUND / path.relative_to(tmp_path)).read_text())
+    bf16 = json.loads((tmp_path / "b16/jamp-bf16.json").read_text())["results"]
+    assert [(r["mode"], r["images_per_sec"], r["max_batch"]) for r in bf16] == [
+        ("bf16", 1834.2, 896)]
+    torch_bf16 = json.loads((tmp_path / "b16/torch-bf16.json").read_text())["results"]
+    assert [r["compiled"] for r in torch_bf16] == [False, True]
+    assert gpu_log.trainer_rates(text)["window_images_per_sec"][-1] == 1730
+    result = run_all.main(["--from-dir", str(tmp_path / "b16"), "--modes",
+                           "fp32,bf16,fp16,fp16_naive", "--out-dir", str(tmp_path / "out")])
+    verdicts = {t["target"]: t["verdict"] for t in result["targets"]}
+    assert verdicts["bf16 largest batch vs fp32's"] == "met"
+    assert verdicts["bf16 img/s vs PyTorch AMP bf16 eager"] == "not met"
+    assert result["device"]["device_kind"] == "NVIDIA H200"

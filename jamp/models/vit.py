@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jamp import attention
+from jamp.models import activations
 from jamp.models.sizes import VIT_SIZES as VARIANTS
 from jamp.models.sizes import parse_variant
 
@@ -56,7 +57,7 @@ class MlpBlock(nn.Module):
         x = nn.Dense(self.mlp_dim, kernel_init=_partitioned(
             nn.initializers.xavier_uniform(), ("embed", "mlp")),
             bias_init=_partitioned(nn.initializers.normal(1e-6), ("mlp",)))(x)
-        x = nn.with_logical_constraint(nn.gelu(x), ("batch", "seq", "mlp"))
+        x = nn.with_logical_constraint(activations.gelu(x), ("batch", "seq", "mlp"))
         x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
         x = nn.Dense(features, kernel_init=_partitioned(
             nn.initializers.xavier_uniform(), ("mlp", "embed")),

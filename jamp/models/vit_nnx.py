@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jamp.models import activations
 from jamp.models import vit as linen_vit
 from jamp.models.sizes import VIT_SIZES as VARIANTS
 from jamp.models.sizes import parse_variant
@@ -89,7 +90,7 @@ class MlpBlock(nnx.Module):
     def __call__(self, x: jax.Array, deterministic: bool = True,
                  rng: jax.Array | None = None) -> jax.Array:
         first, second = _dropout_keys(rng, 2)
-        x = nn.with_logical_constraint(jax.nn.gelu(self.fc1(x)), ("batch", "seq", "mlp"))
+        x = nn.with_logical_constraint(activations.gelu(self.fc1(x)), ("batch", "seq", "mlp"))
         x = self.dropout(x, deterministic=deterministic, rngs=first)
         return self.dropout(self.fc2(x), deterministic=deterministic, rngs=second)
 
