@@ -76,6 +76,7 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -286,9 +287,38 @@ def _bind(eqn: jex.JaxprEqn, invals: Sequence[Any], params: dict | None = None) 
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+_CASTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jamp_autocast_casts",
+                                                                   default=None)
+"""The casts made so far by the jaxpr evaluation under way (each :func:`_eval` its own)."""
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    """``x.astype(dtype)``, once per value and dtype within one jaxpr's evaluation.
+
+    A value read by several equations that each want it in another dtype (a norm's input,
+    read by its mean, its variance and its centring, all in float32) gets one convert and
+    its uses share it, as in a hand-written model. Separate converts of one value would
+    each get their own cotangent, summed in the narrow dtype in the backward pass: a wide
+    fan-in of converts per norm that XLA:CPU re-fuses into every later block's fusions
+    (issue 31: backward time quadratic in depth).
+    """
+    dtype = jnp.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    cache = _CASTS.get()
+    if cache is None:
+        return x.astype(dtype)
+    hit = cache.get((id(x), dtype))
+    if hit is not None and hit[0] is x:
+        return hit[1]
+    y = x.astype(dtype)
+    cache[(id(x), dtype)] = (x, y)  # keeps x alive: its id is not reused while cached
+    return y
+
+
 def _as_traced(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
     """``eqn`` run on its operands cast back to the dtypes it was traced with."""
-    return _bind(eqn, [x.astype(v.aval.dtype) if is_floating(x) and x.dtype != v.aval.dtype else x
+    return _bind(eqn, [_cast(x, v.aval.dtype) if is_floating(x) else x
                        for x, v in zip(invals, eqn.invars, strict=True)])
 
 
@@ -302,7 +332,7 @@ def _narrowest(invals: Sequence[Any]) -> list:
     if len(dtypes) < 2:
         return list(invals)
     target = _narrowest_dtype(dtypes)
-    return [x.astype(target) if is_floating(x) else x for x in invals]
+    return [_cast(x, target) if is_floating(x) else x for x in invals]
 
 
 def _polymorphic(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
@@ -315,7 +345,7 @@ def _dot(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
     if not all(is_floating(x) for x in invals):
         return _as_traced(eqn, invals)
     compute = jnp.dtype(rules.compute_dtype)
-    operands = [x.astype(compute) for x in invals]
+    operands = [_cast(x, compute) for x in invals]
     if rules.fp8 is not None and _projection(eqn):  # delayed scaling was refused earlier
         dims = tuple(tuple(tuple(int(d) for d in axes) for axes in pair)
                      for pair in eqn.params["dimension_numbers"])  # hashable: a static arg
@@ -399,6 +429,7 @@ def _custom(eqn: jex.JaxprEqn, invals: Sequence[Any], rules: Rules) -> list:
     if found is None:
         if (rules.cast_dots and eqn.primitive.name == "custom_jvp_call"
                 and not eqn.params.get("num_consts", 0)
+                and "jvp_jaxpr_fun" in eqn.params  # else (another JAX) run as written
                 and any(is_floating(x) and x.dtype in _HALF for x in invals)
                 and _generic(eqn.params["call_jaxpr"])):
             return _custom_jvp(eqn, invals, rules)
@@ -517,13 +548,22 @@ def _narrow_constants(invals: Sequence[Any], eqn: jex.JaxprEqn, plan: _Plan) -> 
 
 def _in_float32(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list:
     """A normalisation's equation: floating operands in float32, bound as written."""
-    return _bind(eqn, [x.astype(jnp.float32) if is_floating(x) else x for x in invals])
+    return _bind(eqn, [_cast(x, jnp.float32) if is_floating(x) else x for x in invals])
 
 
 def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Rules,
           top: bool = False) -> list:
     """Evaluates ``jaxpr`` on ``args`` (of any floating dtypes) applying ``rules``; at the
     ``top`` of :func:`rewrite`, casts the inputs (``rules.cast_inputs``) and keeps state."""
+    token = _CASTS.set({})
+    try:
+        return _eval_casting(jaxpr, consts, args, rules, top)
+    finally:
+        _CASTS.reset(token)
+
+
+def _eval_casting(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Rules,
+                  top: bool) -> list:
     jaxpr, consts = regions.inline(jaxpr, consts)
     plan = _plan(jaxpr, rules, top)
     if top and rules.cast_inputs:  # state inputs keep their dtype

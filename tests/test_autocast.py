@@ -297,3 +297,134 @@ def test_rewrite_happens_at_trace_time_only():
 def test_bad_policy_gives_a_clear_error():
     with pytest.raises(ValueError, match="neither a mode nor a policy"):
         jamp.autocast(f32_reference, "fp17")
+
+
+_SCANS = {
+    "const+carry+xs": lambda k, xs: jax.lax.scan(lambda c, x: (c * x + k, x), jnp.zeros(3), xs),
+    "two carries, two ys": lambda k, xs: jax.lax.scan(
+        lambda c, x: ((c[0] + x, c[1] * 2), (x, x * k)), (jnp.zeros(3), k), xs),
+    "no xs": lambda k, xs: jax.lax.scan(lambda c, _: (c + k, None), jnp.zeros(3), None,
+                                        length=4),
+    "reverse, scalar carry": lambda k, xs: jax.lax.scan(
+        lambda c, x: (c + x.sum() * k, c), jnp.zeros(()), xs, reverse=True),
+}
+
+
+@pytest.mark.parametrize("name", list(_SCANS))
+def test_scan_counts_without_the_parameters_jax_0_11_dropped(name):
+    """JAX 0.11 names neither num_consts nor num_carry on scan (and passes nested jaxprs
+    open, which open_jaxpr reads like closed ones): the counts come back from the shapes."""
+    from jamp import autocast_regions as regions
+
+    closed = jax.make_jaxpr(_SCANS[name])(1.0, jnp.ones((4, 3)))
+    eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "scan")
+    truth = (eqn.params["num_consts"], eqn.params["num_carry"])
+    stripped = eqn.replace(params={k: v for k, v in eqn.params.items()
+                                   if k not in ("num_consts", "num_carry")})
+    assert regions.scan_counts(stripped) == truth
+    body = eqn.params["jaxpr"]
+    assert regions.open_jaxpr(body)[0] is regions.open_jaxpr(body.jaxpr)[0]
+
+
+# --- issue 31: the backward pass grows linearly with depth --------------------------------
+
+
+def _hlo_counts(fn: Any, *args: Any) -> tuple[int, int]:
+    """Instructions and converts of the optimised HLO of ``jax.jit(fn)(*args)``."""
+    import re
+
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    lines = [line for line in text.splitlines() if re.match(r"\s+(ROOT )?%?\S+ = ", line)]
+    return len(lines), sum(" convert(" in line for line in lines)
+
+
+def _per_block_growth(make_loss: Any, make_params: Any, x: jax.Array,
+                      depths: tuple[int, int, int] = (2, 3, 4)) -> dict[str, list]:
+    """Per-block increments (instructions, converts) of the gradient's HLO between three
+    equally spaced depths: autocast's (fp16) and a hand-written fp16 model's (params and
+    input cast to float16)."""
+    counts: dict[str, list] = {"autocast": [], "hand": []}
+    step = depths[1] - depths[0]
+    for depth in depths:
+        params = make_params(depth)
+        half = jax.tree.map(lambda a: a.astype(jnp.float16), params)
+        counts["autocast"].append(_hlo_counts(
+            jax.grad(lambda p, x: jamp.autocast(make_loss, "fp16")(p, x)), params, x))
+        counts["hand"].append(_hlo_counts(
+            jax.grad(lambda p, x: make_loss(p, x.astype(jnp.float16))), half, x))
+    return {k: [((b[0] - a[0]) / step, (b[1] - a[1]) / step) for a, b in zip(v, v[1:])]
+            for k, v in counts.items()}
+
+
+def _assert_linear_like_hand(growth: dict[str, list]) -> None:
+    (ins1, conv1), (ins2, conv2) = growth["autocast"]
+    (hand_ins, _), _ = growth["hand"]
+    assert abs(ins2 - ins1) <= 0.1 * ins1, growth  # linear: the same increment per block
+    assert abs(conv2 - conv1) <= 0.1 * conv1, growth
+    assert ins1 <= 1.1 * hand_ins, growth  # per block within 10% of hand-written fp16
+
+
+def test_backward_grows_linearly_in_depth_on_an_equinox_vit():
+    """Issue 31: each norm's input used to be converted to float32 once per reading
+    equation; the converts' cotangents then summed in float16 and XLA:CPU re-fused the
+    chain into every later block (4 blocks: 2.0x mpx's step, 8 blocks 3.2x float32)."""
+    eqx = pytest.importorskip("equinox")
+
+    class Block(eqx.Module):
+        ln1: Any
+        attn: Any
+        ln2: Any
+        fc1: Any
+        fc2: Any
+
+        def __init__(self, key, width=32, heads=2, mlp=64):
+            k = jax.random.split(key, 3)
+            self.ln1, self.ln2 = eqx.nn.LayerNorm(width), eqx.nn.LayerNorm(width)
+            self.attn = eqx.nn.MultiheadAttention(heads, width, key=k[0])
+            self.fc1, self.fc2 = eqx.nn.Linear(width, mlp, key=k[1]), eqx.nn.Linear(
+                mlp, width, key=k[2])
+
+        def __call__(self, x):
+            y = jax.vmap(self.ln1)(x)
+            x = x + self.attn(y, y, y)
+            y = jax.vmap(self.ln2)(x)
+            return x + jax.vmap(self.fc2)(jax.nn.gelu(jax.vmap(self.fc1)(y)))
+
+    statics = {}
+
+    def make_params(depth):
+        blocks = [Block(k) for k in jax.random.split(jax.random.key(0), depth)]
+        params, statics[depth] = eqx.partition(blocks, eqx.is_inexact_array)
+        return params
+
+    def loss(params, x):
+        blocks = eqx.combine(params, statics[len(params)])
+
+        def one(x):
+            for block in blocks:
+                x = block(x)
+            return x
+
+        return jax.vmap(one)(x).astype(jnp.float32).mean()
+
+    _assert_linear_like_hand(_per_block_growth(loss, make_params, jnp.ones((2, 9, 32))))
+
+
+def test_backward_grows_linearly_in_depth_on_a_plain_jnp_residual_mlp():
+    def make_params(depth):
+        keys = jax.random.split(jax.random.key(0), 2 * depth)
+        return [{"w1": 0.1 * jax.random.normal(keys[2 * i], (32, 64)),
+                 "w2": 0.1 * jax.random.normal(keys[2 * i + 1], (64, 32)),
+                 "g": jnp.ones(32), "b": jnp.zeros(32)} for i in range(depth)]
+
+    def loss(params, x):
+        for p in params:
+            mean = x.mean(-1, keepdims=True)
+            y = (x - mean) / jnp.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
+            x = x + jax.nn.gelu((y * p["g"] + p["b"]) @ p["w1"]) @ p["w2"]
+        return x.astype(jnp.float32).mean()
+
+    # From 4 blocks on; the hand-written model's own HLO grows faster than linearly here
+    # (XLA:CPU re-fuses its float16 norm chain), autocast's by 401 instructions a block.
+    _assert_linear_like_hand(_per_block_growth(loss, make_params, jnp.ones((4, 9, 32)),
+                                               depths=(4, 6, 8)))
