@@ -224,3 +224,18 @@ def test_gpu_log_rebuilds_the_committed_gpu_results(tmp_path):
     assert verdicts["bf16 largest batch vs fp32's"] == "met"
     assert verdicts["bf16 img/s vs PyTorch AMP bf16 eager"] == "not met"
     assert result["device"]["device_kind"] == "NVIDIA H200"
+
+
+def test_autocast_depth_measures_every_variant():
+    """benchmarks.autocast_depth: one depth of the MLP, every variant timed and counted."""
+    pytest.importorskip("equinox")
+    from benchmarks import autocast_depth
+
+    rows = autocast_depth.measure("mlp", 1, 4, steps=1, warmup=0)
+    assert {"fp32", "jamp", "hand"} <= set(rows)
+    for row in rows.values():
+        assert row["step_ms"] > 0 and row["grad_ms"] > 0 and row["grad_hlo_instructions"] > 0
+    result = dict(date="d", command="c", machine={"cpus": 2, "load_avg_1m": 0}, platform="cpu",
+                  jax="j", equinox="e", mpx="m", batch=4, steps=1, warmup=0,
+                  models={"mlp": {1: rows}})
+    assert "| 1 |" in autocast_depth.to_markdown(result)
