@@ -4,7 +4,9 @@ Each run is a ``python -m jamp.train`` subprocess on a tiny ViT (metrics every s
 the loss scale doubling every 4 steps, no periodic checkpoint before the signal) beside
 an uninterrupted reference; the rerun uses the command the stopped run printed, and its
 whole metrics trajectory (loss, loss scale, skipped steps) must be the reference's: the
-same data position, parameters and loss scale at the step it resumes from.
+same data position, parameters and loss scale at the step it resumes from. Direct,
+fast tests beside them: a second signal while a step runs exits at once (a small loop
+under StopOnSignal in a subprocess), and processes agree on a stop by max.
 """
 
 from __future__ import annotations
