@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -130,6 +131,38 @@ def test_softmax_log_norm_statistics_and_sums_in_float32(mode):
 def test_pure_modes_cast_without_float32_rules(mode):
     compute = str(jnp.dtype(jamp.mixed_precision(mode).policy.compute_dtype))
     assert set(_operands(_jaxprs(mode)[0], ("exp", "rsqrt"))) == {compute}
+
+
+def _rms_norm_by_sqrt(x, w, g, eps):
+    """An RMS norm written ``h / sqrt(mean(h * h) + eps)`` (no ``rsqrt``) after a matmul."""
+    h = x @ w
+    return h / jnp.sqrt(jnp.mean(h * h, -1, keepdims=True) + eps) * g
+
+
+@pytest.mark.parametrize("scale,eps", [(300.0, 1e-6), (1e-4, 1e-12)])
+def test_rms_norm_written_with_sqrt_and_div_runs_its_statistics_in_float32(scale, eps):
+    """300**2 = 9e4 overflows float16 (the norm returned zeros), 1e-4**2 and eps = 1e-12
+    underflow it (inf): the division by ``sqrt`` is a normalisation like ``* rsqrt``."""
+    x, w, g = jnp.linspace(0.5, 1.5, 16).reshape(2, 8), scale * jnp.eye(8), jnp.ones(8)
+    norm = functools.partial(_rms_norm_by_sqrt, eps=eps)
+    fast = jamp.autocast(norm, "fp16")
+    closed = jax.make_jaxpr(fast)(x, w, g)
+    assert _operands(closed, ("dot_general",)) == {"float16": 2}  # the matmul stays half
+    assert _operands(closed, ("sqrt", "reduce_sum")) == {"float32": 2}
+    out, exact = fast(x, w, g), norm(x, w, g)
+    assert np.isfinite(out).all() and float(jnp.min(jnp.abs(out))) > 0.3, out
+    np.testing.assert_allclose(out, exact, rtol=2e-3)
+
+
+@pytest.mark.parametrize("mode", FLOAT32_OPS)
+def test_square_runs_on_float32_operands_even_of_half_precision_values(mode):
+    """``square`` is on autocast's float32 list: a float16 (or bfloat16) value's square is
+    computed in float32, not in the dtype it was traced in."""
+    half = jnp.dtype(jamp.mixed_precision(mode).policy.compute_dtype)
+    for traced in (jnp.float32, half):  # a float32 input, and one already in half precision
+        closed = jax.make_jaxpr(jamp.autocast(lambda x: jnp.square(x @ x).sum(), mode))(
+            jnp.ones((2, 2), traced))
+        assert _operands(closed, ("square",)) == {"float32": 1}, (traced, closed)
 
 
 def _train(mode: str, updates: int = 6) -> list[float]:
@@ -352,8 +385,8 @@ def _per_block_growth(make_loss: Any, make_params: Any, x: jax.Array,
             jax.grad(lambda p, x: jamp.autocast(make_loss, "fp16")(p, x)), params, x))
         counts["hand"].append(_hlo_counts(
             jax.grad(lambda p, x: make_loss(p, x.astype(jnp.float16))), half, x))
-    return {k: [((b[0] - a[0]) / step, (b[1] - a[1]) / step) for a, b in zip(v, v[1:])]
-            for k, v in counts.items()}
+    return {k: [((b[0] - a[0]) / step, (b[1] - a[1]) / step)
+                for a, b in zip(v, v[1:], strict=False)] for k, v in counts.items()}
 
 
 def _assert_linear_like_hand(growth: dict[str, list]) -> None:

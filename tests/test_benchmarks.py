@@ -197,7 +197,8 @@ def test_boost_step_times_the_three_steps():
     assert "vs hand-written" in boost_step.to_markdown(result)
 
 
-GPU_ROUND = Path(__file__).resolve().parents[1] / "benchmarks/results/gpu_round-nvidia-h200-2026-11-26"
+GPU_ROUND = (Path(__file__).resolve().parents[1]
+             / "benchmarks/results/gpu_round-nvidia-h200-2026-11-26")
 
 
 def test_gpu_log_rebuilds_the_committed_gpu_results(tmp_path):

@@ -80,3 +80,15 @@ def test_one_validation_pass_warns_for_float16_params_without_master_weights():
         warnings.simplefilter("error", UnsafeModeWarning)
         for mode in ("fp16", "bf16", "bf16_pure"):
             build_experiment(vit_config(mode))
+
+
+@pytest.mark.parametrize("stage", [4, 5])
+def test_a_zero_stage_that_does_not_exist_is_refused_with_the_choices(stage):
+    config = vit_config("fp16")
+    config.zero_stage = stage
+    with pytest.raises(ConfigError, match=rf"--config.zero_stage={stage} is out of range: "
+                                          r"zero_stage must be 0, 1, 2 or 3, e.g."):
+        build_experiment(config)
+    for valid in (0, 1, 2, 3):
+        config.zero_stage = valid
+        check_values(config)

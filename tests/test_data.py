@@ -162,6 +162,20 @@ def test_digits_build_is_deterministic_and_idempotent(digits_dir, tmp_path):
     assert info_file.stat().st_mtime_ns == mtime
 
 
+def test_digits_in_an_empty_version_folder_are_built_an_incomplete_one_named(tmp_path):
+    """An empty jamp_digits/1.0.0 is not the prepared dataset: it is built there; a folder
+    with files but no dataset_info.json is named in the error (never silently reused)."""
+    version_dir = tmp_path / "jamp_digits" / "1.0.0"
+    version_dir.mkdir(parents=True)
+    assert data.get_dataset_info("digits", tmp_path).num_train == 1437
+    assert (version_dir / "dataset_info.json").exists()
+    (version_dir / "dataset_info.json").unlink()
+    with pytest.raises(data.DatasetNotFoundError) as e:
+        data.get_dataset_info("digits", tmp_path)
+    assert f"{version_dir} holds no dataset_info.json" in str(e.value)
+    assert "Delete that folder and rerun" in str(e.value) and "tfds build" not in str(e.value)
+
+
 def test_digits_default_data_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("JAMP_DATA_DIR", str(tmp_path))
     assert data.resolve_data_dir("digits", None) == str(tmp_path)

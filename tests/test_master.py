@@ -64,3 +64,28 @@ def test_errors():
         tx.update({"w": jnp.ones(2, jnp.float16)}, state)
     with pytest.raises(ValueError, match="found 0"):
         jamp.master_params(optax.sgd(0.1).init({"w": jnp.ones(2)}))
+
+
+
+def test_the_optimizer_state_is_initialised_on_the_float32_master_copy():
+    """Mode fp16_naive: Adam's mu and nu (every floating leaf of the wrapped optimizer's
+    state) are float32 like the master copy, not float16 like the parameters, from init on."""
+    mp = jamp.mixed_precision("fp16_naive")
+    params = {"w": jnp.ones((4, 2), jnp.float16), "b": jnp.zeros((2,), jnp.float16)}
+    tx = jamp.make_optimizer(mp, optax.adam(1e-3))
+    state = tx.init(params)
+    for _ in range(2):
+        wrapped = [s for s in jax.tree_util.tree_leaves(
+            state, is_leaf=lambda x: isinstance(x, jamp.master.MasterWeightsState))
+            if isinstance(s, jamp.master.MasterWeightsState)]
+        assert len(wrapped) == 1
+        adam = wrapped[0].inner_state[0]
+        for moment in (adam.mu, adam.nu):
+            assert [str(x.dtype) for x in jax.tree_util.tree_leaves(moment)] == ["float32"] * 2
+        floating = [x for x in jax.tree_util.tree_leaves(wrapped[0])
+                    if jnp.issubdtype(x.dtype, jnp.floating)]
+        assert {str(x.dtype) for x in floating} == {"float32"}
+        grads = jax.tree_util.tree_map(lambda p: jnp.full_like(p, 0.5), params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert params["w"].dtype == jnp.float16 and float(params["w"][0, 0]) < 1.0

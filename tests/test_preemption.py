@@ -4,7 +4,9 @@ Each run is a ``python -m jamp.train`` subprocess on a tiny ViT (metrics every s
 the loss scale doubling every 4 steps, no periodic checkpoint before the signal) beside
 an uninterrupted reference; the rerun uses the command the stopped run printed, and its
 whole metrics trajectory (loss, loss scale, skipped steps) must be the reference's: the
-same data position, parameters and loss scale at the step it resumes from.
+same data position, parameters and loss scale at the step it resumes from. Direct,
+fast tests beside them: a second signal while a step runs exits at once (a small loop
+under StopOnSignal in a subprocess), and processes agree on a stop by max.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
+from jamp import preemption
 from jamp.checkpoint import Checkpointer
 from jamp.metrics import read_metrics
 
@@ -162,6 +167,76 @@ def test_second_signal_during_the_save_exits_at_once_and_leaves_no_checkpoint(tm
     assert not STOPPED.search(output)
     assert any("tmp" in d for d in os.listdir(workdir / "checkpoints"))  # a save was under way
     assert Checkpointer(workdir / "checkpoints").all_steps() == []  # and is not taken for one
+
+
+# A loop under StopOnSignal whose second step runs for 30 s; the test signals during it.
+LONG_STEP = """
+import sys, time
+from jamp.preemption import StopOnSignal
+with StopOnSignal() as stop:
+    for step in range(1, 4):
+        if step == 2:
+            print("STEP", flush=True)
+            time.sleep(30)  # the step; both signals arrive while it runs
+        if stop.should_stop():
+            break
+print("RAN ON", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_second_signal_while_a_step_runs_exits_at_once(signum, tmp_path):
+    """Not only during the save: a second signal mid-step exits with 128 + signum at once
+    (the first only asks to stop after the step)."""
+    log = open(tmp_path / "log", "w+")  # noqa: SIM115  (read while it runs)
+    proc = subprocess.Popen([sys.executable, "-c", LONG_STEP], cwd=REPO, env=_env(1),
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = log
+    try:
+        text = lambda: pathlib.Path(tmp_path / "log").read_text()
+        _wait_for(lambda: "STEP" in text(), proc, timeout=60)
+        proc.send_signal(signum)
+        _wait_for(lambda: "finishing this step" in text(), proc, timeout=10)
+        sent = time.time()
+        proc.send_signal(signum)
+        output = _output(proc, timeout=40)
+    finally:
+        proc.kill()
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum, output
+    assert time.time() - sent < 5  # not after the 30 s step
+    assert f"second {name}: exiting at once" in output and "RAN ON" not in output, output
+
+
+class _TwoProcesses(preemption._Agreement):
+    """The agreement as two processes would run it on one machine's 8 devices: devices
+    4-7 ("process 1") contribute ``other``'s flag, devices 0-3 this process's."""
+
+    other = 0
+
+    def __call__(self, flag: int) -> jax.Array:
+        flags = [flag] * 4 + [self.other] * 4
+        local = [jax.device_put(np.full((1,), f, np.int32), d)
+                 for f, d in zip(flags, self.devices, strict=True)]
+        return self.reduce(jax.make_array_from_single_device_arrays(
+            (self.size,), self.sharding, local))
+
+
+@pytest.mark.parametrize("who", ["other", "this"])
+def test_processes_agree_to_stop_when_any_of_them_got_the_signal(who, monkeypatch):
+    """The flags are combined by max: one process's SIGTERM (15) stops every process, one
+    step later, whichever process got it (a min would need all of them to get it)."""
+    mesh = jax.make_mesh((8,), ("data",))
+    monkeypatch.setattr(preemption, "_Agreement", _TwoProcesses)
+    monkeypatch.setattr(preemption, "_multiprocess", lambda mesh: True)
+    stop = preemption.StopOnSignal(mesh)
+    assert [stop.should_stop() for _ in range(3)] == [False] * 3  # nobody got a signal
+    if who == "other":
+        stop._agree.other = signal.SIGTERM
+    else:
+        stop.received = signal.SIGTERM  # what the handler records
+    assert [stop.should_stop(), stop.should_stop()] == [False, True]  # read one step later
+    assert stop.signum == signal.SIGTERM
 
 
 def _free_port() -> int:

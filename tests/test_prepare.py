@@ -161,6 +161,34 @@ def test_cifar10_without_network(tmp_path, capsys):
     assert "Traceback" not in message and not list(tmp_path.iterdir())
 
 
+def test_an_empty_or_incomplete_version_folder_is_not_a_prepared_dataset(tmp_path, capsys):
+    """An empty <data_dir>/cifar10/3.0.2 (a leftover) is prepared in place, not taken for the
+    dataset (tfds alone would reuse it, build nothing and the run would fail later); one with
+    files but no dataset_info.json is refused with the folder to delete."""
+    data_dir, manual_dir = tmp_path / "tfds", tmp_path / "manual"
+    manual_dir.mkdir()
+    _cifar_archive(manual_dir / "cifar-10-binary.tar.gz", np.random.default_rng(0))
+    version_dir = data_dir / "cifar10" / "3.0.2"
+    version_dir.mkdir(parents=True)
+    with pytest.raises(data.DatasetNotFoundError) as e:
+        data.get_dataset_info("cifar10", data_dir)
+    assert f"{version_dir} is empty. Delete that folder" in str(e.value)
+    assert f"python -m jamp.data.prepare cifar10 --data_dir {data_dir}" in str(e.value)
+    assert prepare.main(["cifar10", "--data_dir", str(data_dir),
+                         "--manual_dir", str(manual_dir)]) == 0
+    assert "10 train, 3 test examples" in capsys.readouterr().out
+    assert (version_dir / "dataset_info.json").exists()
+    assert data.get_dataset_info("cifar10", data_dir).num_train == 10
+    # Files but no dataset_info.json: neither prepared nor overwritten.
+    (version_dir / "dataset_info.json").unlink()
+    with pytest.raises(prepare.PrepareError, match="no dataset_info.json") as e:
+        prepare.prepare_dataset("cifar10", data_dir, manual_dir)
+    assert "Delete it (or move it away) and rerun python -m jamp.data.prepare cifar10" in str(
+        e.value) and str(version_dir) in str(e.value)
+    with pytest.raises(data.DatasetNotFoundError, match="holds no dataset_info.json"):
+        data.get_dataset_info("cifar10", data_dir)
+
+
 # --- caltech101 -------------------------------------------------------------------
 
 

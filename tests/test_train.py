@@ -178,6 +178,113 @@ def test_restore_after_a_model_change_says_use_the_old_settings(finished_run, tm
         assert "Delete" not in message  # the previous checkpoint has the same shapes
 
 
+def test_a_refused_resume_leaves_config_json_with_the_settings_the_run_started_with(
+        finished_run, tmp_path):
+    """The refusal points at config.json for the old settings: it must still hold them, not
+    the refused ones (a metadata refusal, and one of the restore's shape check)."""
+    from jamp.checkpoint import CheckpointError
+    from jamp.train import train_and_evaluate
+
+    workdir = _copy(finished_run, tmp_path)
+    before = (workdir / "config.json").read_bytes()
+    assert _json(workdir / "config.json")["hidden_size"] == 16
+    for field, value in (("hidden_size", 32), ("scan_layers", False)):
+        config = _tiny_config(max_steps=20, checkpoint_every_steps=10, **{field: value})
+        with pytest.raises(CheckpointError, match="config.json"):
+            train_and_evaluate(config, str(workdir))
+        assert (workdir / "config.json").read_bytes() == before, field
+
+
+def test_resume_restores_the_step_and_the_data_position(finished_run, tmp_path):
+    """The restored iterator gives the batch after the checkpoint's (the 11th from step 10),
+    not the first again: a resumed run sees the data an uninterrupted one sees."""
+    import jax
+
+    from jamp import data, experiment, train
+
+    workdir = _copy(finished_run, tmp_path)
+    import shutil
+
+    shutil.rmtree(workdir / "checkpoints" / "12")  # resume from step 10 of 12
+    exp = experiment.build_experiment(_tiny_config(max_steps=12, checkpoint_every_steps=10),
+                                      str(workdir))
+    with jax.set_mesh(exp.mesh):
+        run, state = train._start(exp, str(workdir))
+    try:
+        assert run.start == 10 and int(state.step) == 10
+        resumed = next(run.iterator)
+    finally:
+        run.close()
+    c = exp.config
+    fresh = iter(data.train_loader(exp.info, data_dir=c.data_dir, image_size=c.image_size,
+                                   global_batch_size=c.batch_size, seed=c.seed,
+                                   augment=c.augment))
+    batches = [next(fresh) for _ in range(11)]
+    np.testing.assert_array_equal(resumed["label"], batches[10]["label"])
+    np.testing.assert_array_equal(resumed["image"], batches[10]["image"])
+    assert not np.array_equal(resumed["image"], batches[0]["image"])
+
+
+def test_the_stop_checkpoint_is_saved_at_the_step_the_loop_stopped_at(monkeypatch):
+    """A signal during the third step after resuming at 7: the loop logs and saves step 10
+    with the state after step 10 (here a counter of steps), and raises Preempted(10)."""
+    import types
+
+    import jax
+
+    from jamp import train
+    from jamp.preemption import Preempted
+
+    class Stop:  # says stop once the third step has run
+        signum, calls = signal.SIGTERM, 0
+
+        def should_stop(self):
+            self.calls += 1
+            return self.calls >= 3
+
+    class Checkpoints:
+        directory = "checkpoints"
+
+        def __init__(self):
+            self.saved = {}
+
+        def latest_step(self):
+            return max(self.saved, default=None)
+
+        def save(self, step, state, iterator, meta, force=False):
+            self.saved[step] = state
+
+        def wait(self):
+            pass
+
+    class Recorder:  # the metrics writer and the progress bar
+        def __init__(self):
+            self.steps = []
+
+        def write(self, step, record):
+            self.steps.append(step)
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    metrics = {"loss": 1.0, "accuracy": 0.5, "loss_scale": 1.0, "steps_skipped": 0,
+               "grad_norm": 1.0, "diverged": False}
+    config = types.SimpleNamespace(batch_size=1, log_every_steps=100, eval_every_epochs=1,
+                                   checkpoint_every_steps=100)
+    exp = types.SimpleNamespace(config=config, total_steps=50, steps_per_epoch=100, meta={},
+                                precision=types.SimpleNamespace(
+                                    loss_scale=types.SimpleNamespace(kind="dynamic")))
+    monkeypatch.setattr(train, "_global_batch", lambda exp, batch: batch)
+    run = train._Run(exp=exp, train_step=lambda state, batch, rng: (state + 1, dict(metrics)),
+                     eval_step=None, iterator=iter(range(100)), ckpt=Checkpoints(),
+                     writer=Recorder(), progress=Recorder(), rng=jax.random.key(0),
+                     workdir="run", stop=Stop(), start=7)
+    with pytest.raises(Preempted) as stopped:
+        train._loop(run, 7)  # the state after step 7 is 7
+    assert stopped.value.step == 10 and run.ckpt.saved == {10: 10}
+    assert run.writer.steps == [10]  # the steps since the last log, logged at 10
+
+
 def test_damaged_checkpoint_points_to_the_previous_one_without_internals(finished_run,
                                                                         tmp_path):
     from jamp.checkpoint import CheckpointError

@@ -513,6 +513,40 @@ def test_float16_trajectories_skip_and_scale_as_stage_0(stage):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+# ----------------------------------------------------------------------------- dropout
+
+
+def test_stage3_per_layer_gather_gives_each_layer_its_own_dropout_key():
+    """GatherPerLayer runs the stacked layers one at a time on a 'data' mesh: each layer's
+    key is the step's key folded with the layer's index (as the plain scan splits it), never
+    the step's key for every layer (identical dropout masks in every layer)."""
+    layers, width = 3, 16
+    mesh = parallel.make_mesh({"data": 8, "model": 1, "pipe": 1})
+    params = {"layers": {"w": jnp.ones((layers, 8))}}  # split over 'data' along dim 1
+    plan = zero.make_plan(3, params, mesh, per_layer=("layers",))
+    assert plan.dims == {"layers": {"w": 1}}
+
+    def apply_layers(stacked, h, key):  # one layer: its random draw pushed onto h
+        draw = jax.random.uniform(key, (width,)) * stacked["params"]["w"].mean()
+        return jnp.concatenate([draw[None], h[:-1]])
+
+    def loss(p, batch, key):
+        h = jnp.zeros((layers, width)) + 0 * batch.mean()
+        h = zero.GatherPerLayer()(apply_layers, {"params": p["layers"]}, h, key)
+        return h.sum(), h
+
+    key = jax.random.key(3)
+    with jax.set_mesh(mesh):
+        step = jax.jit(parallel.data_parallel.value_and_grad(loss, plan=plan))
+        (_, draws), _ = step(jax.device_put(params, zero.shardings(params, mesh)),
+                             jnp.ones((16, 2)), key)
+    draws = np.asarray(draws)[::-1]  # layer 0 first
+    assert len({row.tobytes() for row in draws}) == layers, draws
+    for i, row in enumerate(draws):
+        np.testing.assert_allclose(row, jax.random.uniform(jax.random.fold_in(key, i),
+                                                           (width,)), rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- 5. overflow
 
 POISON_SCALE = 2.0**8

@@ -120,7 +120,11 @@ def prepare_digits(data_dir: str | os.PathLike | None = None) -> str:
 
     Cheap when already prepared. Safe when several processes race: each builds
     into its own tfds "incomplete" directory, the first rename wins and the
-    others find the finished dataset. No progress bars, no network.
+    others find the finished dataset. No progress bars, no network. An empty
+    version folder (no ``dataset_info.json``) is not a prepared dataset: it is
+    removed and the dataset built; a folder with other files but no
+    ``dataset_info.json`` is left alone (tfds would reuse it; `jamp.data.get_dataset_info`
+    then says to delete it).
 
     Args:
       data_dir: TFDS data_dir; None means `default_data_dir()`.
@@ -136,6 +140,11 @@ def prepare_digits(data_dir: str | os.PathLike | None = None) -> str:
     path = epath.Path(data_dir) / NAME / str(JampDigits.VERSION)
     if (path / "dataset_info.json").exists():
         return os.fspath(path)
+    if path.exists():  # tfds would take the folder for the dataset and build nothing
+        if any(path.iterdir()):
+            return os.fspath(path)  # incomplete: get_dataset_info names it
+        with contextlib.suppress(OSError):  # another process may remove it first
+            path.rmdir()
     tfds.disable_progress_bar()
     with _quiet():
         try:

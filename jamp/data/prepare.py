@@ -114,7 +114,9 @@ def prepare_dataset(
 ) -> str:
     """Prepares `name` as array_record in `data_dir` and returns its version directory.
 
-    Does nothing when the dataset is already prepared there.
+    Does nothing when the dataset is already prepared there (its version directory holds
+    ``dataset_info.json``). An empty version directory is prepared in place; one with
+    other files but no ``dataset_info.json`` is refused (delete it first).
 
     Args:
       name: one of `DATASETS`.
@@ -127,7 +129,8 @@ def prepare_dataset(
 
     Raises:
       PrepareError: unknown name, imagenet2012 archives missing, no network for a
-        download, an archive in an unexpected layout, or a copy in another file format.
+        download, an archive in an unexpected layout, a copy in another file format, or
+        an incomplete copy (no ``dataset_info.json``) in the version directory.
 
     Example:
       >>> try:
@@ -157,6 +160,14 @@ def prepare_dataset(
                 "folder away."
             )
         return os.fspath(version_dir)
+    if version_dir.exists():  # no dataset_info.json: tfds would reuse it and build nothing
+        if any(version_dir.iterdir()):
+            raise PrepareError(
+                f"{version_dir} exists but holds no prepared {name} (no dataset_info.json: "
+                "an interrupted preparation or copy). Delete it (or move it away) and rerun "
+                f"{prepare_command(name, data_dir)}."
+            )
+        version_dir.rmdir()  # an empty leftover: prepared in its place below
     with _tfds_code_path():
         builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
     if name == "imagenet2012":

@@ -263,6 +263,15 @@ def _unknown_message(name: str, data_dir: str) -> str:
 
 
 def _not_prepared_message(name: str, data_dir: str, version_dir: epath.Path) -> str:
+    if version_dir.exists():  # a folder without dataset_info.json: not a prepared dataset
+        state = "is empty" if not any(version_dir.iterdir()) else (
+            "holds no dataset_info.json (an interrupted preparation or copy)")
+        if name in digits.ALIASES:
+            fix = "Delete that folder and rerun: jamp builds the embedded digits on first use."
+        else:
+            fix = ("Delete that folder, then prepare the dataset again. "
+                   + _prepare_hint(name, data_dir))
+        return f"Dataset {name!r} is not prepared in {data_dir}: {version_dir} {state}. {fix}"
     dataset_dir = version_dir.parent
     found = sorted(p.name for p in dataset_dir.glob("*") if p.is_dir())
     other = f" (found only: {', '.join(found)})" if found else ""
