@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jamp import attention
-from jamp.models import activations
+from jamp.models import activations, norms
 from jamp.models.sizes import VIT_SIZES as VARIANTS
 from jamp.models.sizes import parse_variant
 
@@ -161,8 +161,8 @@ class EncoderBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool = True) -> tuple[jax.Array, None]:
-        ln = lambda: nn.LayerNorm(scale_init=_partitioned(nn.initializers.ones, ("embed",)),
-                                  bias_init=_partitioned(nn.initializers.zeros, ("embed",)))
+        ln = lambda: norms.LayerNorm(scale_init=_partitioned(nn.initializers.ones, ("embed",)),
+                                     bias_init=_partitioned(nn.initializers.zeros, ("embed",)))
         y = ln()(x)
         y = SelfAttention(self.num_heads, self.attention_dropout_rate)(y, deterministic)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
@@ -314,9 +314,9 @@ class ViT(nn.Module):
         x = Encoder(self.num_layers, self.num_heads, self.mlp_dim, self.dropout_rate,
                     self.attention_dropout_rate, self.scan_layers, self.remat,
                     self.layer_runner, name="encoder")(x, not train)
-        x = nn.LayerNorm(scale_init=_partitioned(nn.initializers.ones, ("embed",)),
-                         bias_init=_partitioned(nn.initializers.zeros, ("embed",)),
-                         name="encoder_norm")(x[:, 0])
+        x = norms.LayerNorm(scale_init=_partitioned(nn.initializers.ones, ("embed",)),
+                            bias_init=_partitioned(nn.initializers.zeros, ("embed",)),
+                            name="encoder_norm")(x[:, 0])
         return nn.Dense(self.num_classes, kernel_init=_partitioned(
             nn.initializers.zeros, ("embed", "vocab")),
             bias_init=_partitioned(nn.initializers.zeros, ("vocab",)), name="head")(x)

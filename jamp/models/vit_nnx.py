@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jamp.models import activations
+from jamp.models import activations, norms
 from jamp.models import vit as linen_vit
 from jamp.models.sizes import VIT_SIZES as VARIANTS
 from jamp.models.sizes import parse_variant
@@ -176,9 +176,9 @@ class SelfAttention(nnx.Module):
 
 
 def _layer_norm(hidden_size: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    return nnx.LayerNorm(hidden_size, rngs=rngs, promote_dtype=norm_in_float32,
-                         scale_init=_partitioned(nn.initializers.ones, ("embed",)),
-                         bias_init=_partitioned(nn.initializers.zeros, ("embed",)))
+    return norms.NnxLayerNorm(hidden_size, rngs=rngs, promote_dtype=norm_in_float32,
+                              scale_init=_partitioned(nn.initializers.ones, ("embed",)),
+                              bias_init=_partitioned(nn.initializers.zeros, ("embed",)))
 
 
 class EncoderBlock(nnx.Module):
