@@ -240,3 +240,14 @@ def test_autocast_depth_measures_every_variant():
                   jax="j", equinox="e", mpx="m", batch=4, steps=1, warmup=0,
                   models={"mlp": {1: rows}})
     assert "| 1 |" in autocast_depth.to_markdown(result)
+
+
+def test_compile_overhead_times_every_stage_of_every_variant():
+    from benchmarks import compile_overhead
+
+    result = compile_overhead.main(["--variant", "ti16", "--image-size", "16", "--num-layers",
+                                    "1", "--repeats", "1", "--layers", "scanned", "--no-write"])
+    rows = result["results"]["scanned"]
+    assert set(rows) == set(compile_overhead.VARIANTS)
+    assert all(t["compile"] > 0 and t["total"] >= t["trace"] for t in rows.values())
+    assert "| scanned | autocast |" in compile_overhead.to_markdown(result)
