@@ -443,6 +443,29 @@ def test_backward_grows_linearly_in_depth_on_an_equinox_vit():
     _assert_linear_like_hand(_per_block_growth(loss, make_params, jnp.ones((2, 9, 32))))
 
 
+def test_backward_grows_linearly_in_depth_on_a_haiku_transformer():
+    hk = pytest.importorskip("haiku")
+
+    def block(x):
+        y = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
+        x = x + hk.MultiHeadAttention(2, 16, w_init=hk.initializers.VarianceScaling())(y, y, y)
+        y = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
+        return x + hk.Linear(32)(jax.nn.gelu(hk.Linear(64)(y)))
+
+    models = {}
+
+    def make_params(depth):
+        models[depth] = hk.without_apply_rng(hk.transform(
+            lambda x: functools.reduce(lambda x, _: block(x), range(depth), x)))
+        return models[depth].init(jax.random.key(0), jnp.ones((2, 9, 32)))
+
+    def loss(params, x):
+        depth = len({k.split("/")[0] for k in params if "layer_norm" in k}) // 2 or 1
+        return models[depth].apply(params, x).astype(jnp.float32).mean()
+
+    _assert_linear_like_hand(_per_block_growth(loss, make_params, jnp.ones((2, 9, 32))))
+
+
 def test_backward_grows_linearly_in_depth_on_a_plain_jnp_residual_mlp():
     def make_params(depth):
         keys = jax.random.split(jax.random.key(0), 2 * depth)
