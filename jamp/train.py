@@ -14,8 +14,9 @@ checkpoint, so no step appears twice), ``checkpoints/``, ``summary.json`` (its
 ``outcome`` is ``"completed"`` or ``"diverged"``) and ``training.png``. A workdir
 whose run already finished is left as it is: its summary is returned. The config,
 the mesh and the workdir are checked by :func:`jamp.experiment.validate_config` before
-anything is built or written. The progress bar's ETA counts steps after the first (compiling)
-one.
+anything is built or written. The progress bar names the backend and devices the run is on
+(``cpu x8``, ``gpu: NVIDIA H100 80GB HBM3 x1``), and its ETA counts steps after the first
+(compiling) one.
 
 The loop's pieces can be used by hand: ``build_experiment(config)``, then under
 ``jax.set_mesh(exp.mesh)`` ``state_shardings``/``init_state``, and under the
