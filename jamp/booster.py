@@ -726,13 +726,10 @@ def boost(
         raise ValueError(
             f"zero_stage={stage} splits state over the mesh's 'data' axis, and no mesh was "
             "given: pass mesh={'data': -1} (every device; on a CPU start Python with "
-            "XLA_FLAGS=--xla_force_host_platform_device_count=8 for 8 devices).")
-    if stage and the_mesh.shape[zero.DATA] == 1:
-        warnings.warn(
-            f"zero_stage={stage} on a mesh whose 'data' axis has 1 device splits nothing: "
-            "every device holds the whole state. Use mesh={'data': -1} over several devices "
-            "(on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts).",
-            UserWarning, stacklevel=2)
+            f"{parallel.CPU_DEVICES_FLAG} for 8 devices).")
+    unsplit = parallel.zero_splits_nothing(stage, the_mesh, "mesh={'data': -1}")
+    if unsplit:
+        warnings.warn(unsplit, UserWarning, stacklevel=2)
     if not isinstance(optimizer, optax.GradientTransformation) and not (
             hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(f"optimizer must be an optax GradientTransformation, e.g. "

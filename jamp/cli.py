@@ -60,7 +60,7 @@ from ml_collections import ConfigDict, config_flags
 from jamp import configs, data, parallel, seed_keys
 from jamp.checkpoint import CheckpointError
 from jamp.config import FIELD_HELP, vit_config
-from jamp.experiment import ConfigError, UnsafeModeWarning
+from jamp.experiment import ConfigError, ConfigWarning
 from jamp.loss_scale import LossScaleDivergedError
 from jamp.preemption import Preempted
 from jamp.train import train_and_evaluate
@@ -210,6 +210,9 @@ def _resolve_config(argv: list[str]) -> list[str]:
 def _config_file(value: str) -> str:
     """A recipe's file, or a Colossal-AI-style file (no ``get_config``) behind
     :func:`jamp.seed_keys.get_config`."""
+    missing = configs.not_found(value)
+    if missing:  # e.g. a misspelled recipe: one line, not absl's loading error
+        _fail(missing, 2)
     value = configs.resolve(value)
     if seed_keys.is_colossalai_file(value):
         return f"{seed_keys.__file__}:{os.path.abspath(value)}"
@@ -295,8 +298,10 @@ _SHOW_WARNING = warnings.showwarning
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """jamp's own warnings as one ``jamp.train: warning:`` paragraph; others as usual."""
-    if issubclass(category, UnsafeModeWarning):
+    """jamp's own warnings (:class:`~jamp.experiment.ConfigWarning`: an unsafe mode, idle
+    devices, a ZeRO stage that splits nothing, a run shorter than its warm-up) as one
+    ``jamp.train: warning:`` line; others as usual."""
+    if issubclass(category, ConfigWarning):
         print(f"jamp.train: warning: {message}", file=sys.stderr, flush=True)
     else:
         _SHOW_WARNING(message, category, filename, lineno, file, line)

@@ -29,11 +29,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -63,7 +64,13 @@ class ConfigError(ValueError):
     """The config cannot be trained as given; the message says what to change."""
 
 
-class UnsafeModeWarning(UserWarning):
+class ConfigWarning(UserWarning):
+    """The config trains, but likely not as meant: a ZeRO stage that splits nothing, a mesh
+    that leaves devices idle, a run shorter than its warm-up. ``jamp.train`` prints it as one
+    ``jamp.train: warning:`` line that names the fix."""
+
+
+class UnsafeModeWarning(ConfigWarning):
     """The precision mode is known to lose updates or diverge (``fp16_pure``)."""
 
 
@@ -75,7 +82,8 @@ class Experiment:
     'pipe' stages); the trainer's gradient function makes 'pipe' manual with it.
     ``apply_fn`` is what the train state runs: ``model.apply`` (linen), or the NNX
     ViT as a function of its parameters (``config.framework='nnx'``), built once so
-    every state of the run has the same static ``apply_fn``.
+    every state of the run has the same static ``apply_fn``. ``hardware`` is the
+    mesh's backend, device kind and count (the progress line and the summary show it).
     """
 
     config: Config
@@ -88,6 +96,7 @@ class Experiment:
     steps_per_epoch: int
     total_steps: int
     apply_fn: Callable[..., Any]
+    hardware: parallel.Hardware
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -190,7 +199,8 @@ def validate_config(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | N
     'model' and the pipeline stages; image and patch sizes; the loader's worker
     processes; the run directory, if given (:func:`check_workdir`). A mode that
     keeps float16 parameters without fp32 master weights warns
-    (:class:`UnsafeModeWarning`).
+    (:class:`UnsafeModeWarning`); a mesh that leaves devices idle, and a ZeRO stage
+    over a 'data' axis of 1 device (it splits nothing), warn (:class:`ConfigWarning`).
 
     Example:
       >>> from jamp.config import vit_config
@@ -223,13 +233,50 @@ def validate_config(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | N
             "are lost, and runs often diverge (the digits benchmark stops at step 70). Use it "
             "for speed baselines only; --config.mode=fp16 trains with fp32 master weights.",
             UnsafeModeWarning, stacklevel=3)
+    idle = idle_devices(mesh)
+    if idle:
+        warnings.warn(idle, ConfigWarning, stacklevel=3)
+    unsplit = parallel.zero_splits_nothing(config.get("zero_stage", 0), mesh,
+                                           "--config.mesh.data=-1 takes every device")
+    if unsplit:
+        warnings.warn(unsplit, ConfigWarning, stacklevel=3)
+
+
+def idle_devices(mesh: jax.sharding.Mesh) -> str | None:
+    """The one-line warning for a mesh over fewer devices than exist (None: it uses all).
+
+    Example:
+      >>> idle_devices(parallel.make_mesh({"data": 2})).split(":")[0]  # of 8 test devices
+      'The mesh data=2 x model=1 x pipe=1 uses 2 of the 8 devices, leaving 6 idle'
+    """
+    used, devices = mesh.devices.size, jax.device_count()
+    if used >= devices:
+        return None
+    others = mesh.shape["model"] * mesh.shape["pipe"]
+    fix = (f"use all {devices} with --config.mesh.data=-1 (data={devices // others})"
+           if devices % others == 0 else
+           f"make the --config.mesh.* sizes multiply to {devices}")
+    return (f"The mesh {_shape(mesh)} uses {used} of the {devices} devices, leaving "
+            f"{devices - used} idle: {fix}.")
+
+
+def _shape(mesh: jax.sharding.Mesh) -> str:
+    return " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
+
+
+RUN_ENTRIES = {"checkpoints": True, "tensorboard": True, "config.json": False,
+               "metrics.jsonl": False, "summary.json": False, "training.png": False}
+"""What a run writes in its workdir: name -> whether it is a directory."""
 
 
 def check_workdir(workdir: str) -> None:
     """Raises a :class:`ConfigError` if ``workdir`` cannot hold a run.
 
     Writes nothing: the directory (or its nearest existing parent) must be a
-    writable directory.
+    writable directory, and what the run writes there (:data:`RUN_ENTRIES`), where it
+    exists already, a writable directory or file as the run needs it. What this misses
+    (a filesystem that refuses what the permissions allow) is reported as one line when
+    the run creates the directory (:func:`writing_workdir`).
 
     Example:
       >>> import tempfile
@@ -253,6 +300,44 @@ def check_workdir(workdir: str) -> None:
         raise ConfigError(f"--workdir={workdir} cannot be written: {parent} is read-only for "
                           "this user. Pass a directory you can write to, e.g. --workdir "
                           "runs/my_run (a relative path is under the current directory).")
+    for name, is_dir in RUN_ENTRIES.items():
+        path = os.path.join(workdir, name)
+        if not os.path.lexists(path):
+            continue
+        if os.path.isdir(path) != is_dir:
+            raise ConfigError(
+                f"--workdir={workdir} cannot hold the run: {path} is "
+                f"{'not a directory' if is_dir else 'a directory'}, and the run writes its "
+                f"{name} {'directory' if is_dir else 'file'} there. Move it away or pass "
+                "another --workdir.")
+        if not os.access(path, os.W_OK | (os.X_OK if is_dir else 0)):
+            raise ConfigError(f"--workdir={workdir} cannot hold the run: {path} is read-only "
+                              "for this user. Pass a directory you can write to.")
+
+
+@contextlib.contextmanager
+def writing_workdir(workdir: str) -> Iterator[None]:
+    """Turns an ``OSError`` from writing the run directory into a one-line
+    :class:`ConfigError` naming the path and the reason (what :func:`check_workdir`
+    cannot see without writing, e.g. a filesystem that refuses what permissions allow).
+
+    Example:
+      >>> import tempfile
+      >>> a_file = tempfile.mkstemp()[1]
+      >>> try:
+      ...     with writing_workdir(a_file):
+      ...         os.makedirs(os.path.join(a_file, "checkpoints"))
+      ... except ConfigError as e:
+      ...     print(str(e).split(": ")[2].split(".")[0])
+      Not a directory
+    """
+    try:
+        yield
+    except OSError as e:
+        where = e.filename if e.filename is not None else workdir
+        raise ConfigError(f"--workdir={workdir} cannot hold the run: {where}: "
+                          f"{e.strerror or e}. Pass a directory you can write to, e.g. "
+                          "--workdir runs/my_run.") from None
 
 
 def check_values(config: Config) -> None:
@@ -310,9 +395,8 @@ def _check_batch(config: Config, mesh: jax.sharding.Mesh, pipeline: GPipe | None
             " or --config.grad_accum_steps" if accum > 1 else "")
         used, devices = mesh.devices.size, jax.device_count()
         if used < devices:  # the mesh is the likelier mistake: it leaves devices idle
-            shape = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
             raise ConfigError(
-                f"The mesh {shape} uses {used} of the {devices} devices, and "
+                f"The mesh {_shape(mesh)} uses {used} of the {devices} devices, and "
                 f"--config.batch_size={config.batch_size} is not divisible by {what}. Use a "
                 f"mesh over all {devices} devices (e.g. --config.mesh.data=-1, the rest) or a "
                 f"batch that is a multiple of {split} "
@@ -394,6 +478,9 @@ def build_experiment(config: Config, workdir: str | None = None) -> Experiment:
     total_steps = steps_per_epoch * config.num_epochs
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
+    short = shorter_than_warmup(total_steps, config.warmup_steps)
+    if short:
+        warnings.warn(short, ConfigWarning, stacklevel=2)
     model = apply_policy(module, mp)
     apply_fn = model.apply
     if config.framework == "nnx":
@@ -403,7 +490,24 @@ def build_experiment(config: Config, workdir: str | None = None) -> Experiment:
         apply_fn, _ = nnx_functional.functional(abstract)
     return Experiment(config, mp, mesh, info, model, pipeline,
                       build_optimizer(config, total_steps, mp), steps_per_epoch, total_steps,
-                      apply_fn)
+                      apply_fn, parallel.hardware(mesh))
+
+
+def shorter_than_warmup(total_steps: int, warmup_steps: int) -> str | None:
+    """The one-line warning for a run of fewer steps than its learning-rate warm-up (None:
+    the warm-up fits). Such a run never reaches the cosine decay (:func:`build_optimizer`
+    squeezes the warm-up into it), and trains poorly.
+
+    Example:
+      >>> print(shorter_than_warmup(22, 50))  # doctest: +ELLIPSIS
+      The run has 22 steps, fewer than --config.warmup_steps=50: ...
+    """
+    if total_steps >= warmup_steps:
+        return None
+    return (f"The run has {total_steps} steps, fewer than --config.warmup_steps={warmup_steps}: "
+            "the learning rate rises for the whole run and never decays. Lower "
+            f"--config.warmup_steps (e.g. {max(total_steps // 10, 1)}) or train longer "
+            "(--config.num_epochs or --config.max_steps).")
 
 
 def _fields(module: nn.Module) -> dict[str, Any]:

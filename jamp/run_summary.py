@@ -1,9 +1,10 @@
 """What a run reports at its end: ``summary.json``, the printed summary and the plot.
 
 :func:`summarize` gathers a run's outcome (final test accuracy, images/s, steps
-skipped, final loss scale, label smoothing and the train loss's floor, mesh, seed,
-commit); :func:`diverged` adds what a run that the divergence guard stopped needs
-(the step, the loss-scale history, the newest checkpoint, the message to raise:
+skipped, final loss scale, label smoothing and the train loss's floor, mesh, the JAX
+backend, device kind and count, seed, commit); :func:`diverged` adds what a run that
+the divergence guard stopped needs (the step, the loss-scale history, the newest
+checkpoint, the message to raise:
 :class:`NonFiniteLossError` where a mode without loss scaling got a NaN/inf loss);
 :func:`report` writes ``summary.json`` and ``training.png`` on process 0, prints
 :func:`format_summary` and raises for a diverged run. :func:`finished_summary`
@@ -40,6 +41,7 @@ from jamp.experiment import ConfigError, Experiment
 from jamp.loss_scale import LossScaleDivergedError, loss_scale, overflow_stats
 from jamp.memory import MemoryReport
 from jamp.metrics import json_safe, label_smoothing_floor, plot_run, read_metrics
+from jamp.parallel import Hardware
 
 
 class NonFiniteLossError(LossScaleDivergedError):
@@ -125,6 +127,9 @@ def summarize(exp: Experiment, state: train_state.TrainState, *, workdir: str, s
         "label_smoothing": float(c.label_smoothing),
         "train_loss_floor": label_smoothing_floor(c.label_smoothing, exp.info.num_classes),
         "devices": exp.mesh.devices.size,
+        "backend": exp.hardware.backend,  # 'cpu', 'gpu', 'tpu'
+        "device_kind": exp.hardware.device_kind,  # e.g. 'NVIDIA H100 80GB HBM3', 'cpu'
+        "device_count": exp.hardware.device_count,
         "mesh": dict(exp.mesh.shape),
         "zero_stage": exp.config.zero_stage,
         "pipeline_bubble": exp.pipeline.bubble_fraction if exp.pipeline else 0.0,
@@ -224,6 +229,18 @@ def git_commit() -> str | None:
     return (run.stdout.strip() or None) if run.returncode == 0 else None
 
 
+def hardware_text(summary: dict[str, Any]) -> str:
+    """The summary's backend, device kind and count as the progress line shows them
+    (:class:`jamp.parallel.Hardware`): ``gpu: NVIDIA H100 80GB HBM3 x1``, ``cpu x8``.
+
+    Example:
+      >>> hardware_text({"backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3",
+      ...                "device_count": 1})
+      'gpu: NVIDIA H100 80GB HBM3 x1'
+    """
+    return str(Hardware(summary["backend"], summary["device_kind"], summary["device_count"]))
+
+
 @jax.jit
 def _param_norm(params: Any) -> jax.Array:
     """Global L2 norm of the parameters in float32 (a cheap checksum of the final model)."""
@@ -271,8 +288,9 @@ def format_summary(summary: dict[str, Any], memory: MemoryReport) -> str:
         f"steps           {summary['steps']} " + (
             f"(skipped {summary['steps_skipped']}, final loss scale "
             f"{summary['final_loss_scale']:g})" if scaled else "(no loss scale: none skipped)"),
-        f"throughput      {'n/a' if ips is None else f'{ips:,.0f} images/s'} "
-        f"on {summary['devices']} device(s)",
+        f"throughput      {'n/a' if ips is None else f'{ips:,.0f} images/s'} on "
+        + (hardware_text(summary) if summary.get("backend") else
+           f"{summary['devices']} device(s)"),
         "mesh            " + " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
         + (f", ZeRO stage {summary['zero_stage']}" if summary.get("zero_stage") else "")
         + (f" (pipeline bubble {100 * summary['pipeline_bubble']:.0f}%)"

@@ -14,8 +14,9 @@ checkpoint, so no step appears twice), ``checkpoints/``, ``summary.json`` (its
 ``outcome`` is ``"completed"`` or ``"diverged"``) and ``training.png``. A workdir
 whose run already finished is left as it is: its summary is returned. The config,
 the mesh and the workdir are checked by :func:`jamp.experiment.validate_config` before
-anything is built or written. The progress bar's ETA counts steps after the first (compiling)
-one.
+anything is built or written. The progress bar names the backend and devices the run is on
+(``cpu x8``, ``gpu: NVIDIA H100 80GB HBM3 x1``), and its ETA counts steps after the first
+(compiling) one.
 
 The loop's pieces can be used by hand: ``build_experiment(config)``, then under
 ``jax.set_mesh(exp.mesh)`` ``state_shardings``/``init_state``, and under the
@@ -48,6 +49,7 @@ from jamp.experiment import (
     build_experiment,
     init_state,
     state_shardings,
+    writing_workdir,
     zero_plan,
 )
 from jamp.memory import MemoryReport, memory_report
@@ -255,6 +257,9 @@ def _start(exp: Experiment, workdir: str) -> tuple[_Run, train_state.TrainState]
     kernels at init; the rules apply to the activations in the steps.
     """
     c, rng, is_main = exp.config, jax.random.key(exp.config.seed), jax.process_index() == 0
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    with writing_workdir(workdir):  # an unusable workdir: one line, before anything is built
+        os.makedirs(ckpt_dir, exist_ok=True)
     abstract, shardings = state_shardings(exp, rng)
     loader = data.train_loader(
         exp.info, data_dir=c.data_dir, image_size=c.image_size, global_batch_size=c.batch_size,
@@ -262,25 +267,46 @@ def _start(exp: Experiment, workdir: str) -> tuple[_Run, train_state.TrainState]
         process_count=jax.process_count(), worker_count=c.worker_count)
     p_eval = jax.jit(eval_step, in_shardings=(shardings, parallel.batch_sharding(exp.mesh)))
     iterator = iter(loader)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.keep_checkpoints)
+    with writing_workdir(workdir):
+        ckpt = Checkpointer(ckpt_dir, keep=c.keep_checkpoints)
     start, state = 0, None
-    if ckpt.latest_step() is not None:
-        try:
+    try:
+        if ckpt.latest_step() is not None:
             start, state = ckpt.restore(abstract, iterator, exp.meta)
-        except BaseException:
-            ckpt.close()
-            raise
-    if is_main:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(c.to_json_best_effort(indent=2) + "\n")
-        if start:
-            print(f"Resumed from step {start} ({ckpt.directory}).", file=sys.stderr, flush=True)
-    run = _Run(exp, jit_train_step(exp, shardings, abstract), p_eval, iterator, ckpt,
-               MetricsWriter(workdir, enabled=is_main, resume_step=start),
-               tqdm(total=exp.total_steps, initial=start, unit="step", dynamic_ncols=True,
-                    file=sys.stderr, mininterval=0.5, disable=not (is_main and c.progress)),
+        with writing_workdir(workdir):
+            if is_main:
+                with open(os.path.join(workdir, "config.json"), "w") as f:
+                    f.write(c.to_json_best_effort(indent=2) + "\n")
+            writer = MetricsWriter(workdir, enabled=is_main, resume_step=start)
+    except BaseException:
+        ckpt.close()
+        raise
+    if is_main and start:
+        print(f"Resumed from step {start} ({ckpt.directory}).", file=sys.stderr, flush=True)
+    run = _Run(exp, jit_train_step(exp, shardings, abstract), p_eval, iterator, ckpt, writer,
+               progress_bar(exp, start, enabled=is_main and c.progress),
                rng, workdir, StopOnSignal(exp.mesh), start)
     return run, (init_state(exp, rng, shardings) if state is None else state)
+
+
+def progress_bar(exp: Experiment, start: int = 0, enabled: bool = True, file: Any = None
+                 ) -> tqdm:
+    """The run's progress line on stderr (``file``): the backend and devices it runs on
+    (``exp.hardware``, e.g. ``gpu: NVIDIA H100 80GB HBM3 x1`` or ``cpu x8``), then steps from
+    ``start`` of ``exp.total_steps``; :func:`_log` adds loss, images/s and loss scale.
+
+    Example:
+      >>> import io
+      >>> from jamp.config import vit_config
+      >>> from jamp.experiment import build_experiment
+      >>> bar = progress_bar(build_experiment(vit_config("fp16")), file=io.StringIO())
+      >>> bar.desc  # the tests' 8 CPU devices
+      'cpu x8'
+      >>> bar.close()
+    """
+    return tqdm(total=exp.total_steps, initial=start, unit="step", dynamic_ncols=True,
+                desc=str(exp.hardware), file=sys.stderr if file is None else file,
+                mininterval=0.5, disable=not enabled)
 
 
 def _loop(run: _Run, state: train_state.TrainState

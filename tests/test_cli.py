@@ -76,6 +76,16 @@ def test_an_unknown_recipe_lists_the_recipes(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     status, _, err = _main(capsys, "--config=vit_fp17", f"--workdir={tmp_path / 'run'}")
     assert status == 2 and err.count("\n") == 1 and "vit_fp16_3d" in err, err
+    # A misspelled recipe: one short line, "did you mean", the recipes; no loader text.
+    for args in (["--config", "vit_fp61"], ["--config=vit_fp61:s16,cifar10"]):
+        status, _, err = _main(capsys, *args, f"--workdir={tmp_path / 'run'}")
+        guess = "vit_fp16:s16,cifar10" if ":" in args[-1] else "vit_fp16"
+        assert status == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"jamp.train: error: --config {args[-1].split('=')[-1]} is "
+                              f"neither a recipe nor a file; did you mean {guess}? jamp ships "
+                              "vit_bf16, vit_bf16_pure, vit_fp16,"), err
+        assert "Failed loading" not in err and len(err) < 300, err
+    assert not list(tmp_path.iterdir())
     status, out, _ = _main(capsys, "--config=vit_fp16:s16,cifar10", "--help")
     assert status == 0 and "  --config.dataset='cifar10' " in out
 
@@ -168,6 +178,26 @@ def test_missing_config_and_unusable_workdirs(tmp_path, capsys, monkeypatch):
     assert os.listdir(read_only) == []
 
 
+def test_any_workdir_failure_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """What the run writes there of the wrong kind (orbax stalled, then printed 30 lines),
+    and a failure only writing finds (here with the checks switched off): one line that
+    names the path and the reason, exit 2."""
+    from jamp import experiment
+
+    small = ["--config.num_layers=1", "--config.hidden_size=16", "--config.num_heads=2",
+             "--config.mlp_dim=32"]
+    (tmp_path / "checkpoints").write_text("")
+    status, _, err = _main(capsys, f"--config={CONFIG}", *small, f"--workdir={tmp_path}")
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"{tmp_path / 'checkpoints'} is not a directory" in err, err
+    monkeypatch.setattr(experiment, "check_workdir", lambda workdir: None)
+    status, _, err = _main(capsys, f"--config={CONFIG}", *small, f"--workdir={tmp_path}")
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"jamp.train: error: --workdir={tmp_path} cannot hold the run: "
+                          f"{tmp_path / 'checkpoints'}: File exists."), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
+
+
 def test_subprocess_exit_status_no_traceback_nothing_written(tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
@@ -200,6 +230,32 @@ def test_fp16_pure_warns_at_start_and_fp16_does_not(tmp_path, capsys, monkeypatc
         assert status == 2 and lines[-1] == "jamp.train: error: stopped by the test", err
         assert (lines[0].startswith("jamp.train: warning: mode fp16_pure keeps parameters")
                 if warned else len(lines) == 1), (mode, err)
+
+
+def test_zero_on_one_data_device_idle_devices_and_a_short_run_warn_one_line_each(
+        tmp_path, capsys, monkeypatch):
+    from jamp import train
+    from jamp.experiment import ConfigError
+
+    def stop(*args, **kwargs):  # the warnings come before anything is built for the run
+        raise ConfigError("stopped by the test")
+
+    monkeypatch.setattr(train, "_start", stop)
+    status, _, err = _main(capsys, f"--config={CONFIG}", "--config.zero_stage=3",
+                           "--config.mesh.data=1", "--config.mesh.model=2",
+                           "--config.max_steps=20", f"--workdir={tmp_path / 'run'}")
+    lines = err.splitlines()
+    assert status == 2 and lines[-1] == "jamp.train: error: stopped by the test", err
+    assert lines[:-1] == [
+        "jamp.train: warning: The mesh data=1 x model=2 x pipe=1 uses 2 of the 8 devices, "
+        "leaving 6 idle: use all 8 with --config.mesh.data=-1 (data=4).",
+        "jamp.train: warning: zero_stage=3 on a mesh whose 'data' axis has 1 device splits "
+        "nothing: every device holds the whole state. Use a 'data' axis over several devices "
+        "(--config.mesh.data=-1 takes every device; on a CPU: "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts).",
+        "jamp.train: warning: The run has 20 steps, fewer than --config.warmup_steps=50: the "
+        "learning rate rises for the whole run and never decays. Lower --config.warmup_steps "
+        "(e.g. 2) or train longer (--config.num_epochs or --config.max_steps)."], err
 
 
 COLOSSALAI_CONFIG = """from jamp import AMP_TYPE

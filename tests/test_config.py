@@ -12,8 +12,16 @@ import pytest
 from ml_collections import ConfigDict
 
 from jamp import config as config_lib
+from jamp import parallel
 from jamp.config import FIELD_HELP, FIELDS, vit_config
-from jamp.experiment import ConfigError, UnsafeModeWarning, build_experiment, check_values
+from jamp.experiment import (
+    ConfigError,
+    ConfigWarning,
+    UnsafeModeWarning,
+    build_experiment,
+    check_values,
+    validate_config,
+)
 
 
 def _flat(config: ConfigDict, prefix: str = "") -> dict[str, object]:
@@ -70,6 +78,69 @@ def test_one_validation_pass_checks_the_workdir_before_anything_is_built(tmp_pat
         build_experiment(config, str(a_file))
     assert build_experiment(vit_config("fp16"), str(tmp_path / "new" / "run")).total_steps
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
+
+
+def test_one_validation_pass_checks_what_the_run_writes_in_the_workdir(tmp_path):
+    """An entry of the run's (checkpoints/, summary.json, ...) of the wrong kind is refused
+    before anything is built, naming its path: orbax would otherwise stall on it."""
+    (tmp_path / "checkpoints").write_text("")
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'checkpoints'} is not a directory"):
+        build_experiment(vit_config("fp16"), str(tmp_path))
+    (tmp_path / "checkpoints").unlink()
+    (tmp_path / "summary.json").mkdir()
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'summary.json'} is a directory"):
+        build_experiment(vit_config("fp16"), str(tmp_path))
+
+
+def _warnings(config, mesh) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate_config(config, parallel.make_mesh(mesh), None)
+    return [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+
+
+def test_a_zero_stage_over_one_data_device_warns_with_the_fix():
+    """ZeRO over a 'data' axis of 1 splits nothing (e.g. one GPU, or one CPU device):
+    one line that names the fix, the same message as jamp.boost's."""
+    config = vit_config("fp16")
+    config.zero_stage = 2
+    unsplit = [m for m in _warnings(config, {"data": 1, "model": 2, "pipe": 4})
+               if m.startswith("zero_stage=2")]
+    assert unsplit == [parallel.zero_splits_nothing(2, parallel.make_mesh({"data": 1}),
+                                                    "--config.mesh.data=-1 takes every device")]
+    assert "'data' axis has 1 device splits nothing" in unsplit[0]
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in unsplit[0]
+    assert "\n" not in unsplit[0]
+    assert _warnings(config, {"data": -1}) == []  # 8 'data' devices: it splits
+    config.zero_stage = 0
+    assert _warnings(config, {"data": 1, "model": 2, "pipe": 4}) == []
+
+
+def test_a_mesh_that_leaves_devices_idle_warns_with_the_fix():
+    config = vit_config("fp16")
+    config.batch_size = 63
+    assert _warnings(config, {"data": 3}) == [
+        "The mesh data=3 x model=1 x pipe=1 uses 3 of the 8 devices, leaving 5 idle: use all "
+        "8 with --config.mesh.data=-1 (data=8)."]
+    config.batch_size = 64
+    assert "use all 8 with --config.mesh.data=-1 (data=4)" in _warnings(
+        config, {"data": 1, "model": 2})[0]
+    assert _warnings(config, {"data": -1, "model": 2}) == []
+
+
+def test_a_run_shorter_than_its_warmup_warns_with_both_numbers():
+    config = vit_config("fp16")  # digits: 22 steps per epoch, warmup_steps=50
+    config.num_epochs = 1
+    with pytest.warns(ConfigWarning) as caught:
+        exp = build_experiment(config)
+    assert exp.total_steps == 22
+    assert [str(w.message).split(":")[0] for w in caught] == [
+        "The run has 22 steps, fewer than --config.warmup_steps=50"]
+    assert "Lower --config.warmup_steps (e.g. 2)" in str(caught[0].message)
+    config.warmup_steps = 22
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        build_experiment(config)
 
 
 def test_one_validation_pass_warns_for_float16_params_without_master_weights():

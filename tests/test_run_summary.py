@@ -40,3 +40,14 @@ def test_the_outcome_line_says_why_the_run_stopped():
     nan = [line for line in _lines(outcome="diverged", steps=8, non_finite_at_step=6,
                                    loss_scale_kind="none") if "DIVERGED" in line]
     assert nan == ["outcome         DIVERGED at step 8 (the train loss became NaN/inf at step 6)"]
+
+
+def test_the_throughput_line_names_the_backend_and_device_kind():
+    gpu = dict(backend="gpu", device_kind="NVIDIA H100 80GB HBM3", device_count=1)
+    assert [line for line in _lines(**gpu) if line.startswith("throughput ")] == [
+        "throughput      900 images/s on gpu: NVIDIA H100 80GB HBM3 x1"]
+    cpu = dict(backend="cpu", device_kind="cpu", device_count=8, devices=8)
+    assert [line for line in _lines(**cpu) if line.startswith("throughput ")] == [
+        "throughput      900 images/s on cpu x8"]
+    # A summary.json written before the keys existed still prints.
+    assert "throughput      900 images/s on 1 device(s)" in _lines()

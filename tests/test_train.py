@@ -72,13 +72,14 @@ def finished_run(tmp_path_factory):
 
     def log(run, *args):
         seen.setdefault("elapsed", run.progress.format_dict["elapsed"])
+        seen.setdefault("progress", str(run.progress))
         return real_log(run, *args)
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(train, "jit_train_step", slow_first_step)
         m.setattr(train, "_log", log)
         summary = train.train_and_evaluate(config, str(workdir))
-    return workdir, config, summary, seen["elapsed"]
+    return workdir, config, summary, seen["elapsed"], seen["progress"]
 
 
 def _copy(run, tmp_path):
@@ -100,8 +101,13 @@ def _rows(workdir):
 def test_python_api_short_run_writes_metrics_checkpoint_summary_and_plot(finished_run):
     from PIL import Image
 
-    tmp_path, config, summary, elapsed = finished_run
+    tmp_path, config, summary, elapsed, progress = finished_run
     assert summary["steps"] == 12 and summary["devices"] == 8
+    # The backend and the devices: in summary.json and on the progress line.
+    saved = _json(tmp_path / "summary.json")
+    assert {k: saved[k] for k in ("backend", "device_kind", "device_count")} == {
+        "backend": "cpu", "device_kind": "cpu", "device_count": 8}
+    assert progress.startswith("cpu x8: "), progress
     assert summary["outcome"] == "completed" and summary["seed"] == 0
     assert summary["commit"] is None or len(summary["commit"]) >= 40  # to reproduce the run
     assert summary["mode"] == "fp16" and summary["final_loss_scale"] > 0

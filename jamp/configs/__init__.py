@@ -16,10 +16,13 @@ Example:
   2
   >>> configs.resolve("vit_fp16:s16,cifar10").endswith("jamp/configs/vit_fp16.py:s16,cifar10")
   True
+  >>> configs.not_found("vit_fp61:s16,cifar10").split("?")[0]
+  '--config vit_fp61:s16,cifar10 is neither a recipe nor a file; did you mean vit_fp16:s16,cifar10'
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import pkgutil
@@ -61,3 +64,22 @@ def resolve(value: str) -> str:
     if name in NAMES and (path == name or old_layout):
         return os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py") + sep + arg
     return value
+
+
+def not_found(value: str) -> str | None:
+    """One line for a ``--config`` value that names neither a recipe nor an existing file:
+    the value, the closest recipe's name (``difflib``, as for a misspelled config key) and
+    the recipes; None when it names one.
+
+    Example:
+      >>> not_found("vit_fp16") is None
+      True
+      >>> not_found("my_config.py").split(";")[0]
+      '--config my_config.py is neither a recipe nor a file'
+    """
+    path, sep, arg = resolve(value).partition(":")
+    if os.path.exists(path):
+        return None
+    close = difflib.get_close_matches(os.path.basename(path).removesuffix(".py"), NAMES, n=1)
+    guess = f"; did you mean {close[0]}{sep}{arg}?" if close else ";"
+    return f"--config {value} is neither a recipe nor a file{guess} jamp ships {', '.join(NAMES)}."

@@ -16,11 +16,16 @@ Example:
 from jamp.parallel import data_parallel, launch, pipeline, step, zero
 from jamp.parallel.mesh import (
     AXES,
+    CPU_DEVICES_FLAG,
     LOGICAL_AXIS_RULES,
+    Hardware,
     batch_sharding,
+    hardware,
     make_mesh,
     mesh_shape,
+    zero_splits_nothing,
 )
 
-__all__ = ["AXES", "LOGICAL_AXIS_RULES", "batch_sharding", "data_parallel", "launch",
-           "make_mesh", "mesh_shape", "pipeline", "step", "zero"]
+__all__ = ["AXES", "CPU_DEVICES_FLAG", "LOGICAL_AXIS_RULES", "Hardware", "batch_sharding",
+           "data_parallel", "hardware", "launch", "make_mesh", "mesh_shape", "pipeline", "step",
+           "zero", "zero_splits_nothing"]

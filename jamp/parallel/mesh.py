@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -29,6 +30,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("layers", "pipe"),
 )
 """Flax logical axis -> mesh axis: Megatron-style tensor parallelism over 'model'."""
+
+CPU_DEVICES_FLAG = "XLA_FLAGS=--xla_force_host_platform_device_count=8"
+"""How to get several devices on a CPU (here 8): set it in the environment before JAX starts."""
 
 
 def mesh_shape(spec: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
@@ -90,6 +94,55 @@ def make_mesh(spec: Mapping[str, int], devices: list | None = None) -> Mesh:
         except (TypeError, ValueError):  # topologies it cannot tile
             pass
     return Mesh(np.asarray(devices[:count]).reshape(shape), AXES, axis_types=auto)
+
+
+def zero_splits_nothing(stage: int, mesh: Mesh, use: str) -> str | None:
+    """The one-line warning for a ZeRO ``stage`` on a mesh whose 'data' axis has 1 device
+    (it splits nothing), or None; ``use`` names the caller's way to a larger 'data' axis.
+
+    The one home of the message, for ``jamp.boost`` and the trainer.
+
+    Example:
+      >>> from jamp.parallel import make_mesh
+      >>> zero_splits_nothing(3, make_mesh({"data": 1}), "mesh={'data': -1}").split(":")[0]
+      "zero_stage=3 on a mesh whose 'data' axis has 1 device splits nothing"
+      >>> zero_splits_nothing(3, make_mesh({"data": 2}), "mesh={'data': -1}") is None
+      True
+    """
+    if not stage or mesh.shape["data"] > 1:
+        return None
+    return (f"zero_stage={stage} on a mesh whose 'data' axis has 1 device splits nothing: "
+            f"every device holds the whole state. Use a 'data' axis over several devices "
+            f"({use}; on a CPU: {CPU_DEVICES_FLAG} before JAX starts).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What a mesh runs on: the JAX backend ('cpu', 'gpu', 'tpu'), the device kind and count.
+
+    ``str()`` gives the short form the progress line and the run summary show:
+    ``gpu: NVIDIA H100 80GB HBM3 x1``, or ``cpu x8`` where the kind only repeats the backend.
+    """
+
+    backend: str
+    device_kind: str
+    device_count: int
+
+    def __str__(self) -> str:
+        same = self.device_kind.lower() == self.backend.lower()
+        return f"{self.backend}{'' if same else f': {self.device_kind}'} x{self.device_count}"
+
+
+def hardware(mesh: Mesh) -> Hardware:
+    """The backend, device kind and device count of ``mesh`` (its first device's kind).
+
+    Example:
+      >>> from jamp.parallel import make_mesh
+      >>> str(hardware(make_mesh({"data": 1})))
+      'cpu x1'
+    """
+    first = mesh.devices.flat[0]
+    return Hardware(first.platform, first.device_kind, int(mesh.devices.size))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
