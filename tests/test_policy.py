@@ -162,3 +162,12 @@ def test_every_dtype_name_in_the_error_message_parses():
         assert jamp.get_policy(f"c={name}").compute_dtype is not None
     with pytest.raises(ValueError, match="Valid dtype names: bf16, bfloat16"):
         jamp.get_policy("c=float8")
+
+
+def test_policy_like_is_importable_from_jamp():
+    """Signatures name PolicyLike; users can import it to annotate their own code."""
+    import typing
+
+    from jamp import MixedPrecision, Policy, PolicyLike
+
+    assert {str, MixedPrecision, Policy} <= set(typing.get_args(PolicyLike))
