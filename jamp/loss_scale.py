@@ -370,23 +370,27 @@ def _count_overflow(state: LossScaleState, finite: jax.Array, min_scale: float,
 
 
 def _apply_or_skip(inner_tx, finite, unscaled, inner_state, params, extra_args):
-    """``inner_tx.update`` on ``unscaled()`` where ``finite``, else -0.0s and the same state.
+    """``inner_tx.update`` on ``unscaled()`` if ``finite``, else -0.0s and the same state.
 
-    A select, not a ``lax.cond``: XLA fuses ``where(finite, new, old)`` into the
-    optimizer's own elementwise update (one pass, in place when the state is donated), and
-    the skip stays exact: the old state and -0.0 updates are chosen bit for bit (NaN and inf
-    in the discarded branch never reach them). A conditional cost a third of AdamW's own
-    update time on XLA:CPU (no fusion across its branches; issue 31) and makes XLA:GPU read
-    the predicate back to the host every step.
+    ``lax.cond`` makes the skip exact and free of optimizer arithmetic (choosing
+    with ``where`` would keep the old state alive next to the new one and copy
+    donated moments). The unscale inside the branch fuses into the optimizer.
     """
-    new_updates, new_inner = inner_tx.update(unscaled(), inner_state, params, **extra_args)
-    # The inner state keeps its dtypes: float32 gradients must not turn the float16
-    # moments of a pure-f16 model into float32 (a new type would recompile, break restores).
-    new_inner = optax.tree_utils.tree_cast_like(new_inner, inner_state)
-    # -0.0, not 0.0: p + -0.0 is p bit for bit, a -0.0 parameter included.
-    skipped = optax.tree_utils.tree_full_like(new_updates, -0.0)
-    return (optax.tree_utils.tree_where(finite, new_updates, skipped),
-            optax.tree_utils.tree_where(finite, new_inner, inner_state))
+    def apply():
+        grads = unscaled()
+        new_updates, new_inner = inner_tx.update(grads, inner_state, params, **extra_args)
+        # The inner state keeps its dtypes: float32 gradients must not turn the float16
+        # moments of a pure-f16 model into float32 (a new type would recompile, break restores).
+        return new_updates, optax.tree_utils.tree_cast_like(new_inner, inner_state)
+
+    def skip():
+        # apply() is traced here only for the output types (zeros_like keeps shard_map's
+        # varying axes; master weights may change the update dtype); XLA drops it as dead.
+        updates_like, _ = apply()
+        # -0.0, not 0.0: p + -0.0 is p bit for bit, a -0.0 parameter included.
+        return optax.tree_utils.tree_full_like(updates_like, -0.0), inner_state
+
+    return jax.lax.cond(finite, apply, skip)
 
 
 # --------------------------------------------------------------------------- transformations
