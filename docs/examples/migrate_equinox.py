@@ -27,6 +27,9 @@ def cross_entropy(model, x, y):
 
 
 # --- before: a float32 Equinox step ------------------------------------------------------
+tx32 = optax.adam(1e-3)
+
+
 @eqx.filter_jit
 def before_step(model, opt_state, x, y, tx):
     loss, grads = eqx.filter_value_and_grad(cross_entropy)(model, x, y)
@@ -34,18 +37,18 @@ def before_step(model, opt_state, x, y, tx):
     return eqx.apply_updates(model, updates), opt_state, loss
 
 
-# --- after: the same step in fp16 with jamp (4 changed lines, marked) ----------------------
-mp = jamp.mixed_precision("fp16")
-half_loss = jamp.autocast(cross_entropy, mp)                            # changed
+# --- after: the same step in fp16 with jamp (the 6 changed lines are marked) --------------
+half_loss = jamp.autocast(cross_entropy, "fp16")                        # changed
+tx16 = jamp.make_optimizer("fp16", optax.adam(1e-3))                    # changed
 
 
 @eqx.filter_jit
 def after_step(model, opt_state, x, y, tx):
-    def scaled(model):
-        loss = half_loss(model, x, y)
+    def scaled(model):                                                  # changed
+        loss = half_loss(model, x, y)                                   # changed
         return jamp.scale_loss(loss, opt_state), loss                   # changed
 
-    grads, loss = eqx.filter_grad(scaled, has_aux=True)(model)         # changed
+    grads, loss = eqx.filter_grad(scaled, has_aux=True)(model)          # changed
     updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
     return eqx.apply_updates(model, updates), opt_state, loss
 
@@ -56,8 +59,6 @@ def main(steps: int = 5) -> dict:
     model = eqx.nn.MLP(16, 10, 64, depth=2, key=jax.random.key(1))
     params = eqx.filter(model, eqx.is_array)
 
-    tx32 = optax.adam(1e-3)
-    tx16 = jamp.make_optimizer(mp, optax.adam(1e-3))                    # changed
     m32, s32 = model, tx32.init(params)
     m16, s16 = model, tx16.init(params)
     losses = {"before": [], "after": []}
