@@ -2,8 +2,9 @@
 
 - Every python block of the docs (README.md, CHANGELOG.md, docs/**/*.md) runs, in a fresh
   module per page, the page's blocks in order, as a reader would paste them. A block that
-  raises fails its page's test, naming the page and line. A block with a ``# prints:``
-  comment must print the lines that follow it (each written ``# <line>``).
+  raises, or holds a placeholder ``...``, fails its page's test, naming the page and line.
+  A block with a ``# prints:`` comment must print the lines that follow it (each written
+  ``# <line>``).
 - A block that cannot run alone is an excerpt: the paragraph before it says
   ``Excerpt of [name](path.py)`` and the linked file is the complete one (it must exist,
   and each line of the excerpt must be in it). A ``{literalinclude}`` of part of a file is
@@ -17,6 +18,7 @@
   - ZeRO in your own loop: the state split per stage, the same losses.
 """
 
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -160,6 +162,15 @@ def included_text(block: Block) -> str:
     return text
 
 
+def _placeholders(code: str) -> list[int]:
+    """Lines of ``...`` used as a value (``loss = ...``), not as an index (``x[..., 0]``)."""
+    tree = ast.parse(code)
+    indices = {id(n) for s in ast.walk(tree) if isinstance(s, ast.Subscript)
+               for n in ast.walk(s.slice)}
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and n.value is Ellipsis and id(n) not in indices]
+
+
 def _expected_output(block: Block) -> list[str] | None:
     """The lines after a ``# prints:`` comment, each written ``# <line>``; None without one."""
     lines = block.code.splitlines()
@@ -195,8 +206,13 @@ def run_page(page: str) -> tuple[dict, tuple[str, ...]]:
             if block.include or block.excerpt_of:
                 continue
             out = io.StringIO()
+            source = "\n" * block.line + block.code  # the page's own line numbers
+            for line in _placeholders(source):
+                raise DocBlockError(f"{page}:{line}: a placeholder `...` in a block that runs: "
+                                    "write the code, or mark the block as an excerpt "
+                                    "('Excerpt of [file](path.py)')")
             try:
-                code = compile("\n" * block.line + block.code, str(ROOT / page), "exec")
+                code = compile(source, str(ROOT / page), "exec")
                 with contextlib.redirect_stdout(out):
                     exec(code, module.__dict__)
             except Exception as e:
