@@ -262,6 +262,13 @@ def test_every_excerpt_links_the_existing_file_it_is_cut_from():
     for page in PAGES:
         for block in doc_blocks(page):
             target = block.excerpt_of
+            if target and not (target.endswith(".py") and (ROOT / target).is_file()):
+                problems.append(f"{block.where}: marked as an excerpt of {target}, which is "
+                                "not an existing .py file")
+                continue
+            if target and target.startswith("docs/examples/") and (
+                    Path(target).stem not in RUN_BY_TESTS):
+                problems.append(f"{block.where}: {target} is run by no test")
             if block.include:
                 if not (ROOT / block.include).is_file():
                     problems.append(f"{block.where}: literalinclude of a missing file "
@@ -279,18 +286,11 @@ def test_every_excerpt_links_the_existing_file_it_is_cut_from():
                     problems.append(f"{block.where}: a start/end marker of "
                                     f"{block.options} is not in {block.include}")
             elif target:
-                if not (ROOT / target).is_file() or not target.endswith(".py"):
-                    problems.append(f"{block.where}: marked as an excerpt of {target}, which "
-                                    "is not an existing .py file")
-                    continue
                 source = (ROOT / target).read_text()
                 for n, line in enumerate(block.code.splitlines(), block.line + 1):
                     if line.strip() and line.strip() != "..." and line.strip() not in source:
                         problems.append(f"{block.page}:{n}: this excerpt line is not in "
                                         f"{target}: {line.strip()!r}")
-            if target and target.startswith("docs/examples/") and (
-                    Path(target).stem not in RUN_BY_TESTS):
-                problems.append(f"{block.where}: {target} is run by no test")
     assert not problems, "\n".join(problems)
 
 
