@@ -46,7 +46,8 @@ RUN_BY_TESTS = {
     "zero_own_loop": "test_zero_own_loop_splits_state_per_stage_and_trains_the_same",
 }
 
-_FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*?)\s*$")
+# Fences at any indent: a block inside a list item is indented like the item's text.
+_FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*?)\s*$")
 _PYTHON_INFO = re.compile(r"^(?:python3?|py|\{(?:code-block|code|sourcecode|code-cell)\}\s+"
                           r"(?:python3?|py|ipython3?))$")
 # MyST directives whose content is markdown, which may hold code blocks of its own.
@@ -61,7 +62,7 @@ class Block:
     """One python block of a docs page: a fenced block or a ``{literalinclude}``."""
 
     page: str  # repo-relative path of the page
-    line: int  # 1-based line of the opening fence
+    line: int  # 1-based line just above the code (the opening fence of a plain block)
     code: str  # the code (a fenced block) or "" (a literalinclude)
     include: str | None  # a literalinclude's file, repo-relative
     options: dict  # a literalinclude's options (start-at, end-before, ...)
@@ -126,9 +127,11 @@ def doc_blocks(page: str) -> tuple[Block, ...]:
             continue
         end = i + 1  # the closing fence: same character, at least as long, no info
         while end < len(lines) and not re.match(
-                rf"^ {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}\s*$", lines[end]):
+                rf"^ *{re.escape(fence[0])}{{{len(fence)},}}\s*$", lines[end]):
             end += 1
-        body = lines[i + 1:end]
+        indent = len(m.group("indent"))  # removed from the body, as Markdown does
+        body = [line[min(indent, len(line) - len(line.lstrip(" "))):]
+                for line in lines[i + 1:end]]
         marked = _EXCERPT.search(_paragraph_before(lines, i))
         excerpt_of = _relative(page, marked.group("target")) if marked else None
         if _PYTHON_INFO.match(info):
@@ -137,7 +140,8 @@ def doc_blocks(page: str) -> tuple[Block, ...]:
                                 "\n".join(code) + "\n", None, options, excerpt_of))
         elif directive and directive.group(1) == "literalinclude":
             options, _ = _options(body)
-            if options.get("language", "python") in ("python", "py", "python3"):
+            language = options.get("language", Path(directive.group(2)).suffix[1:])
+            if language in ("python", "py", "python3"):
                 blocks.append(Block(page, i + 1, "", _relative(page, directive.group(2)),
                                     options, excerpt_of))
         i = end + 1
