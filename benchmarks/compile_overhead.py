@@ -4,8 +4,11 @@ Per variant, the jitted ``value_and_grad`` of the cross-entropy of a ViT (``--va
 scanned and unscanned layers) is traced, lowered and compiled from a cleared cache, and
 each stage timed (median of ``--repeats``): plain float32 (``vit.create``), hand-written
 float16 (the same model applied to float16 params and images, every op in float16, as mpx
-does), ``jamp.apply_policy(model, "fp16")`` and ``jamp.autocast(model.apply, "fp16")``.
-Ratios are to the hand-written float16 model. XLA:CPU upcasts float16, which changes what it
+does), hand-written mixed precision (float32 master params cast to float16 inside the
+loss, as jmp's ``cast_to_compute`` does: what a policy's float32 params cost by themselves),
+``jamp.apply_policy(model, "fp16")`` and ``jamp.autocast(model.apply, "fp16")``. Ratios are
+to the hand-written float16 model. The optimized HLO's instruction, ``convert`` and fusion
+counts say what the compiler is given. XLA:CPU upcasts float16, which changes what it
 compiles: CPU ratios are indicative, GPU ratios need a GPU run.
 
 Usage::
@@ -16,6 +19,7 @@ Usage::
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from typing import Any
@@ -29,7 +33,7 @@ from benchmarks import common
 from jamp.models import sizes, vit
 from jamp.step import cross_entropy
 
-VARIANTS = ("fp32", "hand_fp16", "apply_policy", "autocast")
+VARIANTS = ("fp32", "hand_fp16", "hand_mixed", "apply_policy", "autocast")
 STAGES = ("trace", "lower", "compile")
 
 
@@ -48,6 +52,11 @@ def _loss(variant: str, model: nn.Module, image_size: int) -> Any:
 
         def loss(p, images, labels):
             logits = apply({"params": p}, images.astype(jnp.float16), train=True)
+            return cross_entropy(logits.astype(jnp.float32), labels)
+    elif variant == "hand_mixed":
+        def loss(p, images, labels):
+            half = jax.tree.map(lambda a: a.astype(jnp.float16), p)
+            logits = apply({"params": half}, images.astype(jnp.float16), train=True)
             return cross_entropy(logits.astype(jnp.float32), labels)
     else:
         def loss(p, images, labels):
@@ -73,9 +82,21 @@ def time_stages(loss: Any, params: Any, images: Any, labels: Any) -> dict[str, f
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
-    lowered.compile()
+    hlo = lowered.compile().as_text()
     t3 = time.perf_counter()
-    return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2}
+    return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, **hlo_counts(hlo)}
+
+
+def hlo_counts(hlo: str) -> dict[str, int]:
+    """Instructions, ``convert``s and fusions of an optimized HLO module's text.
+
+    Example:
+      >>> hlo_counts("ENTRY m {\n  a = f16[2] convert(b)\n  c = f16[2] fusion(a)\n}")
+      {'instructions': 2, 'converts': 1, 'fusions': 1}
+    """
+    return {"instructions": len(re.findall(r"^\s+\S+ = ", hlo, re.M)),
+            "converts": len(re.findall(r" convert\(", hlo)),
+            "fusions": len(re.findall(r" fusion\(", hlo))}
 
 
 def measure(args: Any, scan: bool) -> dict[str, dict[str, float]]:
@@ -91,6 +112,7 @@ def measure(args: Any, scan: bool) -> dict[str, dict[str, float]]:
         runs = [time_stages(loss, params, images, labels) for _ in range(args.repeats)]
         out[variant] = {s: statistics.median(r[s] for r in runs) for s in STAGES}
         out[variant]["total"] = sum(out[variant][s] for s in STAGES)
+        out[variant].update({k: runs[0][k] for k in ("instructions", "converts", "fusions")})
         print(f"  {'scanned' if scan else 'unscanned':<9} {variant:<13} " + "  ".join(
             f"{s} {out[variant][s]:6.2f} s" for s in (*STAGES, "total")), flush=True)
     return out
@@ -106,9 +128,11 @@ def to_markdown(result: dict[str, Any]) -> str:
              f"median of {c['repeats']}; {result['machine']['cpus']} CPUs "
              f"({result['platform']}), 1-min load {result['machine']['load_avg_1m']}; jax "
              f"{result['jax']}", "", *common.table(
-                 "layers | variant | trace s | lower s | compile s | total s | total / hand fp16",
+                 "layers | variant | trace s | lower s | compile s | total s | total / hand fp16"
+                 " | HLO instructions | converts | fusions",
                  ([layers, variant, *(common.fmt(t[s], ".2f") for s in (*STAGES, "total")),
-                   common.fmt(t["total"] / rows["hand_fp16"]["total"], ".2f", "x")]
+                   common.fmt(t["total"] / rows["hand_fp16"]["total"], ".2f", "x"),
+                   *(str(t.get(k, "n/a")) for k in ("instructions", "converts", "fusions"))]
                   for layers, rows in result["results"].items()
                   for variant, t in rows.items()))]
     return "\n".join(lines) + "\n"

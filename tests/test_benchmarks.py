@@ -250,4 +250,7 @@ def test_compile_overhead_times_every_stage_of_every_variant():
     rows = result["results"]["scanned"]
     assert set(rows) == set(compile_overhead.VARIANTS)
     assert all(t["compile"] > 0 and t["total"] >= t["trace"] for t in rows.values())
+    # The counts come from the optimized HLO: float32 has no float16 converts to make.
+    assert rows["fp32"]["converts"] < rows["hand_mixed"]["converts"] <= rows["autocast"]["converts"]
+    assert all(t["instructions"] >= t["fusions"] > 0 for t in rows.values())
     assert "| scanned | autocast |" in compile_overhead.to_markdown(result)
