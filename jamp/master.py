@@ -29,7 +29,13 @@ import optax
 
 
 class MasterWeightsState(NamedTuple):
-    """State of :func:`master_weights`: the float32 master copy and the inner state."""
+    """State of :func:`master_weights`: the float32 master copy and the inner state.
+
+    Attributes:
+      master: the float32 copy of the parameters (half-precision leaves only; others
+        are kept as they are).
+      inner_state: state of the wrapped transformation.
+    """
 
     master: optax.Params
     inner_state: optax.OptState
