@@ -17,11 +17,13 @@ checks what a user reads there:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -74,6 +76,7 @@ def resolve(name: str):
     return obj
 
 
+@functools.cache
 def check_usable(name: str, objtype: str = "obj") -> str | None:
     """None if ``name`` works when copied, else why not."""
     if any(p.startswith("_") and not (p.startswith("__") and p.endswith("__"))
@@ -147,6 +150,50 @@ def test_every_dotted_reference_and_type_resolves(app):
                 bad.add(f"{doc}: {why}")
     assert seen > 100, seen
     assert not bad, "\n".join(sorted(bad))
+
+
+def _context_lookup(text: str, module: str | None, cls: str | None):
+    """The object a reference's text names where it is written, or None."""
+    for path in filter(None, (module and cls and f"{module}.{cls}.{text}",
+                              module and f"{module}.{text}", text)):
+        parts = path.split(".")
+        for k in range(len(parts), 0, -1):
+            if (obj := sys.modules.get(".".join(parts[:k]))) is not None:
+                try:
+                    for part in parts[k:]:
+                        obj = getattr(obj, part)
+                except AttributeError:
+                    break
+                return obj
+    return None
+
+
+def test_references_to_exports_are_links(app):
+    """``:func:`scale_loss``` in jamp.loss_scale's docstring, a type hint naming
+    ``jamp.loss_scale.LossScaleState``: each links to the ``jamp.X`` entry."""
+    exports = {id(getattr(jamp, n)): n for n in jamp.__all__}
+    unlinked, linked = set(), 0
+    for doc in _api_docs(app):
+        doctree = app.env.get_doctree(doc)
+        for ref in doctree.findall(addnodes.pending_xref):
+            if ref.get("refdomain") == "py" and ref.children and (export := exports.get(id(
+                    _context_lookup(ref["reftarget"].lstrip("~."), ref.get("py:module"),
+                                    ref.get("py:class"))))):
+                if isinstance(ref[0], nodes.Text):
+                    ref[0] = nodes.inline("", ref[0].astext())
+                ref[0]["names_export"] = export  # kept by the copy the resolver links
+        app.env.apply_post_transforms(doctree, doc)
+        for node in doctree.findall(lambda n: isinstance(n, nodes.Element)
+                                    and "names_export" in n.attributes):
+            parent = node.parent
+            while parent is not None and not isinstance(parent, nodes.reference):
+                parent = parent.parent
+            if parent is None:
+                unlinked.add(f"{doc}: {node.astext()} (jamp.{node['names_export']})")
+            else:
+                linked += 1
+    assert linked > 50, linked
+    assert not unlinked, "\n".join(sorted(unlinked))
 
 
 def test_exports_are_indexed_linked_and_documented_once(app):
