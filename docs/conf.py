@@ -74,13 +74,16 @@ _PUBLIC_NAME = {id(obj): f"jamp.{name}" for name, obj in _EXPORTS.items()}
 
 
 def _exported_from() -> dict[str, list[str]]:
-    """{module: [names jamp imports from it]}, read from jamp/__init__.py."""
+    """{module: [names jamp exports]}: the module that defines the name if jamp imports
+    anything from it, else the one jamp/__init__.py imports the name from."""
     tree = ast.parse(pathlib.Path(jamp.__file__).read_text())
+    sources = {(a.asname or a.name): node.module for node in tree.body
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jamp.")
+               for a in node.names if (a.asname or a.name) in _EXPORTS}
     owners: dict[str, list[str]] = collections.defaultdict(list)
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jamp."):
-            owners[node.module] += [a.asname or a.name for a in node.names
-                                    if (a.asname or a.name) in _EXPORTS]
+    for name, source in sources.items():
+        home = getattr(_EXPORTS[name], "__module__", None)
+        owners[home if home in sources.values() else source].append(name)
     return owners
 
 
