@@ -36,6 +36,9 @@ from sphinx.ext.autosummary import autosummary_table  # noqa: E402
 
 import jamp  # noqa: E402
 
+# Sphinx 9's napoleon uses autodoc's options as a mapping, deprecated for Sphinx 11.
+pytestmark = pytest.mark.filterwarnings("ignore:The mapping interface for autodoc options")
+
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 
 
