@@ -32,9 +32,9 @@ class MasterWeightsState(NamedTuple):
     """State of :func:`master_weights`: the float32 master copy and the inner state.
 
     Attributes:
-      master: the float32 copy of the parameters (half-precision leaves only; others
-        are kept as they are).
-      inner_state: state of the wrapped transformation.
+      master: the parameters with every floating leaf in float32 (other leaves as
+        they are): what the inner optimizer updates.
+      inner_state: state of the inner optimizer, initialised on ``master``.
     """
 
     master: optax.Params
