@@ -8,7 +8,7 @@ scalar operand, of ``tile``, and the JVP of ``reduce_max``/``reduce_min``. So a
 bias gradient is a sum of thousands of float16 terms rounded at every step
 (``jax_allow_f16_reductions=False`` makes each such sum raise at trace time).
 The sums autodiff writes cannot be changed after differentiation, so these
-rules change the *forward* computation that :func:`jamp.autocast.rewrite`
+rules change the *forward* computation that :func:`~jamp.autocast.rewrite`
 evaluates, before anything is differentiated:
 
 - a *linear* op on half-precision operands whose own evaluation or whose

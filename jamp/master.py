@@ -29,7 +29,13 @@ import optax
 
 
 class MasterWeightsState(NamedTuple):
-    """State of :func:`master_weights`: the float32 master copy and the inner state."""
+    """State of :func:`master_weights`: the float32 master copy and the inner state.
+
+    Attributes:
+      master: the parameters with every floating leaf in float32 (other leaves as
+        they are): what the inner optimizer updates.
+      inner_state: state of the inner optimizer, initialised on ``master``.
+    """
 
     master: optax.Params
     inner_state: optax.OptState

@@ -635,6 +635,9 @@ def _scaling_fields() -> list[str]:
 
 
 PolicyLike = str | int | Mapping[str, Any] | Policy | MixedPrecision
+"""``str | int | Mapping[str, Any] | jamp.Policy | jamp.MixedPrecision``: what a
+``policy_or_mode`` argument accepts (a mode name, a jmp policy string, ...; see
+:func:`to_mixed_precision`)."""
 
 
 def to_mixed_precision(

@@ -9,9 +9,9 @@ to each layer comes from here:
   override resolved through :data:`jamp.policy.NORMS`, which each adapter fills
   with its framework's norm classes;
 - floating casts of arguments, outputs and parameters: :func:`cast_floating`
-  (shared with :mod:`jamp.autocast`, where it is defined);
+  (shared with :func:`jamp.autocast`, whose module defines it);
 - where softmax runs in float32: :func:`softmax_rules`, the part of
-  :func:`jamp.autocast.rewrite` a policied model runs under;
+  :func:`~jamp.autocast.rewrite` a policied model runs under;
 - which layers get fp8 matmuls: :func:`fp8_recipe_for`.
 
 Example:

@@ -308,7 +308,7 @@ class PolicyModule(nn.Module):
         """``nn.Module.apply``, with ``method`` taken from the wrapped module.
 
         In modes whose softmax runs in float32, the whole application is
-        rewritten by :func:`jamp.autocast.rewrite` so that every softmax and
+        rewritten by :func:`~jamp.autocast.rewrite` so that every softmax and
         log-softmax of half-precision logits runs in float32, wherever it is
         called from (``nn.softmax``, ``jax.nn.softmax``,
         ``nn.dot_product_attention_weights``...).

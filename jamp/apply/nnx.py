@@ -23,7 +23,7 @@ sets them all at a distance, in place, with the rules of :mod:`jamp.apply.core`:
 - in modes whose softmax runs in float32, every softmax and log-softmax of
   half-precision logits (``nnx.MultiHeadAttention``, custom attention calling
   ``jax.nn.softmax``) runs in float32 keeping half-precision residuals
-  (:func:`jamp.autocast.rewrite`).
+  (:func:`~jamp.autocast.rewrite`).
 
 The policy lives in the model's class (a subclass of it, named alike), so it
 survives ``nnx.split``/``nnx.merge`` and works under ``nnx.jit``,

@@ -14,7 +14,7 @@ process was launched, first match wins:
    ``JAX_COORDINATOR_PORT`` overrides), and with several processes per host each
    one takes the device ``LOCAL_RANK``;
 3. ``JAX_COORDINATOR_ADDRESS``, SLURM (``srun``, more than one task) or Open MPI
-   (``mpirun``): JAX detects these itself (``jax._src.clusters``), so
+   (``mpirun``): JAX detects these itself, so
    ``jax.distributed.initialize()`` is called without arguments.
 
 Anything else is a single-process run and nothing is initialised.
