@@ -737,5 +737,5 @@ def boost(
     adapter = _adapter(model, mp, params, init_params)
     zeros = bool(log_num_zeros_in_grad) or mp.log_num_zeros_in_grad  # the seed's naive key
     return Boosted(mp, the_mesh, stage, accumulate, zeros, adapter,
-                   make_optimizer(mp, optimizer), loss_fn, _getter(inputs, "inputs"),
+                   make_optimizer(mp, optimizer, seed=seed), loss_fn, _getter(inputs, "inputs"),
                    _getter(targets, "targets"), seed)

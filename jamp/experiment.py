@@ -160,7 +160,7 @@ def build_optimizer(config: Config, total_steps: int,
         raise ConfigError(f"--config.optimizer={config.optimizer!r}: use 'adamw' or 'sgd'.")
     if config.grad_clip_norm:
         opt = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), opt)
-    return make_optimizer(mp, opt)
+    return make_optimizer(mp, opt, seed=config.seed)
 
 
 def pipeline_from_config(config: Config, mesh: jax.sharding.Mesh) -> GPipe | None:
