@@ -55,7 +55,7 @@ import orbax.checkpoint as ocp
 from flax import nnx, struct
 from flax.training import train_state
 
-from jamp import fp8, grad_accum, parallel
+from jamp import fp8, grad_accum, optim_state, parallel
 from jamp.apply import PolicyModule, apply_policy
 from jamp.autocast import autocast
 from jamp.parallel import zero
@@ -509,6 +509,11 @@ class Boosted:
             with ocp.StandardCheckpointer() as checkpointer:
                 return checkpointer.restore(path, abstract)
         except (ValueError, KeyError, TypeError) as e:
+            with ocp.StandardCheckpointer() as checkpointer:
+                saved = getattr(checkpointer.metadata(path), "item_metadata", None)
+            mismatch = optim_state.checkpoint_mismatch(abstract, saved)
+            if mismatch:
+                raise ValueError(f"{mismatch} ({path})") from None
             raise ValueError(
                 f"The checkpoint at {path} does not fit this model, optimizer and precision "
                 f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Restore it with the "

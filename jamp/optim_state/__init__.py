@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -53,7 +54,7 @@ from jamp.optim_state.moments import (
 
 __all__ = ["ANY", "BYTES_PER_PARAM", "PRESETS", "SCHEMES", "Bf16MasterState", "FormatLike",
            "LowPrecisionState", "QuantizedLeaf", "StateFormat", "as_format", "bf16_master",
-           "check_master_weights", "check_optimizer_state", "dequantize",
+           "check_master_weights", "check_optimizer_state", "checkpoint_mismatch", "dequantize",
            "low_precision_state", "master_view", "quantize", "stored_dtypes", "wrap"]
 
 PRESETS: dict[str, dict[str, StateFormat] | None] = {
@@ -147,6 +148,45 @@ def check_combination(optimizer_state: Any, master_weights: Any, param_dtype: An
             f"master_weights='kahan' compensates half-precision parameters, and the policy "
             f"keeps them in {dtype.name} (their own master): use policy='p=bf16,c=bf16,o=f32' "
             "or drop master_weights.")
+
+
+def _key_names(tree: Any) -> set[str]:
+    names = set()
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        for k in path:
+            name = getattr(k, "key", getattr(k, "name", None))
+            if isinstance(name, str):
+                names.add(name)
+    return names
+
+
+def _describe(names: set[str]) -> str:
+    low = "scale" in names and "value" in names
+    master = "master" in names and "count" in names
+    return (f"{'low-precision (quantized)' if low else 'float32'} optimizer state"
+            f"{' with a bf16_master buffer' if master else ''}")
+
+
+def checkpoint_mismatch(abstract: Any, saved: Any) -> str | None:
+    """One sentence when the optimizer-state precision of a saved state tree (orbax's
+    metadata tree) differs from that of ``abstract``, the state to restore into; None when
+    they agree.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> p = {"w": jnp.ones((2, 2))}
+      >>> low = jamp.low_precision_state(optax.adam(1e-3), "bf16").init(p)
+      >>> print(jamp.optim_state.checkpoint_mismatch(low, optax.adam(1e-3).init(p))[:60])
+      The checkpoint holds float32 optimizer state, and this run s
+    """
+    mine, theirs = _describe(_key_names(abstract)), _describe(_key_names(saved))
+    if mine == theirs:
+        return None
+    return (f"The checkpoint holds {theirs}, and this run stores {mine} "
+            "(mixed_precision's optimizer_state / master_weights differ). Restore with the "
+            "optimizer_state and master_weights it was saved with; to change them, restore "
+            "the run as saved and start the new optimizer from its parameters "
+            "(tx.init(state.params)).")
 
 
 def wrap(tx: optax.GradientTransformation, optimizer_state: Any = "float32",
