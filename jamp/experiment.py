@@ -120,10 +120,14 @@ def precision_from_config(config: Config) -> MixedPrecision:
     fields = {k: v for k, v in config.loss_scale.items() if v is not None}
     if "kind" in fields:
         fields["loss_scale"] = fields.pop("kind")
+    state = {k: config.get(k) for k in ("optimizer_state", "master_weights")
+             if config.get(k) is not None}
     try:
-        mp = mixed_precision(config.mode, **fields)
+        mp = mixed_precision(config.mode, **fields, **state)
     except ValueError as e:
-        raise ConfigError(f"--config.mode / --config.loss_scale: {e}") from None
+        flags = " / ".join(["--config.mode", "--config.loss_scale",
+                            *(f"--config.{k}" for k in state)])
+        raise ConfigError(f"{flags}: {e}") from None
     history = config.get("fp8_amax_history_length")
     if history is not None:
         if mp.fp8 is None or mp.fp8.strategy.collection is None:  # no state, no history

@@ -253,3 +253,50 @@ def test_nnx_optimizer_with_low_precision_state_and_remainders():
     assert not _same_bits(before, model.kernel[...])
     dtypes = {str(x.dtype) for x in jax.tree_util.tree_leaves(nnx.as_pure(opt.opt_state))}
     assert {"float8_e4m3fn", "float16", "uint16"} <= dtypes  # mu, sqrt(nu), remainders
+
+
+# --------------------------------------------------------------------------- jamp.train
+
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "configs", "vit_fp16.py")
+SMALL = ["--config.num_layers=1", "--config.hidden_size=16", "--config.num_heads=2",
+         "--config.mlp_dim=32", "--config.mesh.data=1"]
+
+
+def _train(capsys, *args):
+    from jamp import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["jamp.train", f"--config={CONFIG}", *SMALL, *args])
+    return exit_.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config.mode=bf16", "--config.master_weights=remainders"], "needs bfloat16 parameters"),
+    (["--config.optimizer_state=int8"], "Unknown optimizer_state 'int8'"),
+    (["--config.optimizer_state=mu=fp4"], "Unknown optimizer-state dtype 'fp4'"),
+    (["--config.mode=bf16_lowmem", "--config.master_weights=halves"],
+     "Unknown master_weights 'halves'"),
+])
+def test_train_bad_state_precision_one_line_exit_2_nothing_written(tmp_path, capsys, args,
+                                                                   needle):
+    status, err = _train(capsys, *args, f"--workdir={tmp_path / 'run'}")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and needle in lines[0], err
+    assert lines[0].startswith("jamp.train: error: --config.mode"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_runs_a_low_memory_mode_with_a_custom_state(tmp_path, capsys):
+    import json
+
+    status, err = _train(capsys, "--config.mode=bf16_lowmem_exact", "--config.max_steps=2",
+                         "--config.optimizer_state=mu=fp8,nu=bf16", "--config.plot=false",
+                         "--config.progress=false", f"--workdir={tmp_path / 'run'}")
+    assert status in (0, None), err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["steps"], summary["mode"]) == (2, "bf16_lowmem_exact")
+    per_device = summary["memory"]["per_device"]
+    assert per_device["master"] > 0 and per_device["params"] < summary["memory"]["params_bytes"] + 1
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["optimizer_state"], config["master_weights"]) == ("mu=fp8,nu=bf16", None)

@@ -105,6 +105,12 @@ def check_optimizer_state(value: Any) -> str | dict[str, StateFormat]:
       >>> jamp.optim_state.check_optimizer_state({"mu": "fp8"})
       {'mu': StateFormat(dtype='float8_e4m3fn', block_size=None, sqrt=False)}
     """
+    if isinstance(value, str) and "=" in value:  # the command line's "mu=fp8,nu=fp16"
+        pairs = [part.partition("=") for part in value.split(",") if part.strip()]
+        if any(not sep or not k.strip() for k, sep, _ in pairs):
+            raise ValueError(f"optimizer_state {value!r}: write name=dtype pairs separated by "
+                             "commas, e.g. 'mu=fp8,nu=fp16,*=bf16'.")
+        value = {k.strip(): v.strip() for k, _, v in pairs}
     if isinstance(value, str):
         if value in PRESETS:
             return value
