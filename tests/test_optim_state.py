@@ -297,6 +297,7 @@ def test_train_runs_a_low_memory_mode_with_a_custom_state(tmp_path, capsys):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["steps"], summary["mode"]) == (2, "bf16_lowmem_exact")
     per_device = summary["memory"]["per_device"]
-    assert per_device["master"] > 0 and per_device["params"] < summary["memory"]["params_bytes"] + 1
+    # bf16 params (2 B); fp8 mu + bf16 nu (3 B): float32 moments would be 4x the params.
+    assert per_device["master"] > 0 and per_device["opt_state"] < 2.5 * per_device["params"]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (config["optimizer_state"], config["master_weights"]) == ("mu=fp8,nu=bf16", None)
