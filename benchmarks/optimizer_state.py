@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -180,9 +181,11 @@ def _experiment(mode, optimizer_state, master_weights, data, stage, model, layer
                            master_weights=master_weights).items():
         config[key] = value
     config.mesh.data, config.mesh.model, config.mesh.pipe = data, 1, 1
-    exp = experiment.build_experiment(config)
+    with warnings.catch_warnings():  # data=1 of 8 devices: on purpose
+        warnings.simplefilter("ignore")
+        exp = experiment.build_experiment(config)
     module = vit.create(model, num_classes=1000, patch_size=patch, dropout_rate=0.0,
-                        num_layers=exp.model.num_layers if layers is None else layers,
+                        **({} if layers is None else {"num_layers": layers}),
                         scan_layers=config.scan_layers,
                         layer_runner=zero.GatherPerLayer() if stage == 3 else None)
     net = apply_policy(module, exp.precision)
@@ -211,7 +214,7 @@ def part_bytes(args) -> dict[str, Any]:
     from jamp import experiment, parallel, train  # noqa: PLC0415
 
     rows = []
-    for label, mode, state, master in BYTES_ROWS:
+    for label, mode, state, master in BYTES_ROWS[:args.rows]:
         row = {"label": label}
         for data, stage in ((1, 0), (8, 3)):
             exp = _experiment(mode, state, master, data, stage, "b", None, 224, 16)
@@ -290,6 +293,11 @@ TRAJECTORY_ROWS = [  # label, mode, overrides, optimizer wrapper, reference labe
 ]
 
 
+LOW_LR_ROWS = ("R:", "bf16_lowmem", "baseline")
+"""The rows run again at the later (small) learning rates, where updates fall below half
+an ulp of bf16 parameters."""
+
+
 def _run(mode, overrides, wrapper, steps, lr, seed):
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 50, steps)
     tx = optax.adamw(schedule, weight_decay=0.1)
@@ -319,7 +327,7 @@ def part_trajectory(args) -> dict[str, Any]:
     for lr in args.lrs:
         rows, ref = [], {}
         for label, mode, overrides, wrapper, against in TRAJECTORY_ROWS:
-            if lr != args.lrs[0] and "remainders" in label and "exact" not in label:
+            if lr != args.lrs[0] and not any(k in label for k in LOW_LR_ROWS):
                 continue
             t0 = time.time()
             loss, params = _run(mode, overrides, wrapper, args.steps, lr, 0)
@@ -416,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="bytes: also compile a small ViT's step for its argument bytes")
     p.add_argument("--time-steps", type=int, default=10)
+    p.add_argument("--rows", type=int, default=None, help="bytes: the first this many rows")
     args = p.parse_args(argv)
     out: dict[str, Any] = common.header("optimizer_state", argv)
     for name, fn in PARTS.items():

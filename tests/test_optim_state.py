@@ -301,3 +301,28 @@ def test_train_runs_a_low_memory_mode_with_a_custom_state(tmp_path, capsys):
     assert per_device["master"] > 0 and per_device["opt_state"] < 2.5 * per_device["params"]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (config["optimizer_state"], config["master_weights"]) == ("mu=fp8,nu=bf16", None)
+
+
+def test_fp8_matmuls_and_accumulation_with_small_state():
+    mp = jamp.mixed_precision("fp8", policy="p=bf16,c=bf16,o=f32", optimizer_state="fp8",
+                              master_weights="remainders")
+    boosted = _boosted(mp, accumulate=2)
+    state = boosted.init(jax.random.key(0), BATCH)
+    for _ in range(2):
+        state, metrics = boosted.step(state, BATCH)
+    assert not bool(metrics["skipped"]) and np.isfinite(float(metrics["loss"]))
+    assert state.params["layers_0"]["kernel"].dtype == jnp.bfloat16
+    assert "float8_e4m3fn" in jamp.optim_state.stored_dtypes(state.opt_state).values()
+
+
+def test_the_guide_runs():
+    import pathlib
+    import re
+
+    guide = (pathlib.Path(__file__).parents[1] / "docs/guides/optimizer_state.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    assert len(blocks) == 2
+    for code in blocks:
+        scope: dict = {}
+        exec(compile(code, "docs/guides/optimizer_state.md", "exec"), scope)
+    assert scope["opt_state"] is not None
