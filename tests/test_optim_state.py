@@ -216,7 +216,8 @@ def test_zero3_splits_the_small_states_and_checkpoints_resume_bit_exact():
     per = jamp.memory.per_device_bytes(state.params, state.opt_state)
     n = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     # bf16 params 2 B, remainders 2 B, fp8 mu 1 B + fp16 nu 2 B (biases: replicated, small).
-    assert per.master * 8 <= 2 * n + 8 * 2 * 8 * 2  # the biases of 8 outputs stay whole
+    # The remainders count as the master copy: 2 B per bf16 parameter, split 8 ways.
+    assert 0.9 * 2 * n / 8 <= per.master <= 2 * n / 8 + 2 * 8  # (the 8-wide bias stays whole)
     assert per.params + per.grads + per.opt_state + per.master < 1.3 * 9 * n / 8
     mu = [q for q in _quantized(state.opt_state) if q.value.dtype == jnp.float8_e4m3fn]
     assert any(len(q.value.sharding.device_set) == 8 and q.value.addressable_shards[0]
