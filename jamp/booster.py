@@ -509,9 +509,12 @@ class Boosted:
             with ocp.StandardCheckpointer() as checkpointer:
                 return checkpointer.restore(path, abstract)
         except (ValueError, KeyError, TypeError) as e:
-            with ocp.StandardCheckpointer() as checkpointer:
-                saved = getattr(checkpointer.metadata(path), "item_metadata", None)
-            mismatch = optim_state.checkpoint_mismatch(abstract, saved)
+            try:
+                with ocp.StandardCheckpointer() as checkpointer:
+                    saved = getattr(checkpointer.metadata(path), "item_metadata", None)
+            except Exception:  # noqa: BLE001  (no readable metadata: the general message)
+                saved = None
+            mismatch = saved is not None and optim_state.checkpoint_mismatch(abstract, saved)
             if mismatch:
                 raise ValueError(f"{mismatch} ({path})") from None
             raise ValueError(
