@@ -254,8 +254,10 @@ def test_zero3_splits_the_small_states_and_checkpoints_resume_bit_exact():
     plain = _boosted("bf16_pure", mesh={"data": 8}, zero_stage=3)
     path32 = os.path.join(tempfile.mkdtemp(), "ckpt32")
     plain.save(path32, plain.init(jax.random.key(0), BATCH))
-    with pytest.raises(ValueError, match="optimizer_state"):
+    with pytest.raises(ValueError, match="holds float32 optimizer state.*stores low-precision"):
         boosted.restore(path32)
+    with pytest.raises(ValueError, match="holds low-precision .*stores float32 optimizer state"):
+        plain.restore(path)  # and back
 
 
 def test_nnx_optimizer_with_low_precision_state_and_remainders():
