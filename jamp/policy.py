@@ -291,8 +291,10 @@ class MixedPrecision:
     def __post_init__(self):
         from jamp import optim_state  # noqa: PLC0415  (optim_state is policy-free)
 
+        state = optim_state.check_optimizer_state(self.optimizer_state)
+        # A mapping is kept as (name, format) pairs in order: the recipe stays hashable.
         object.__setattr__(self, "optimizer_state",
-                           optim_state.check_optimizer_state(self.optimizer_state))
+                           state if isinstance(state, str) else tuple(state.items()))
         optim_state.check_master_weights(self.master_weights)
         clip = self.clip_grad_norm
         if isinstance(clip, bool) or not isinstance(clip, int | float) or not clip >= 0:

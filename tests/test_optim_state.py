@@ -116,6 +116,14 @@ def test_bad_formats_and_combinations_get_one_clear_error():
         bf16_master(optax.sgd(0.1), "remainders").init({"w": jnp.ones(2, jnp.float16)})
 
 
+def test_a_recipe_with_a_state_mapping_stays_hashable_and_builds():
+    mp = jamp.mixed_precision("bf16_lowmem", optimizer_state={"mu": "fp8", "nu": "bf16"})
+    assert hash(mp) == hash(jamp.mixed_precision(mp))
+    state = jamp.make_optimizer(mp, optax.adam(1e-3)).init({"w": jnp.ones((3, 4),
+                                                                          jnp.bfloat16)})
+    assert jamp.optim_state.stored_dtypes(state) == {"mu": "float8_e4m3fn", "nu": "bfloat16"}
+
+
 # -------------------------------------------------------------------- master weights
 
 

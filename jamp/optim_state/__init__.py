@@ -120,6 +120,8 @@ def check_optimizer_state(value: Any) -> str | dict[str, StateFormat]:
             "'bf16'} (dtypes: f32, bf16, fp16, fp8).")
     if isinstance(value, StateFormat):
         return {ANY: value}
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        value = dict(value)  # a recipe's frozen form
     if isinstance(value, Mapping):
         from jamp.optim_state.moments import _check_formats  # noqa: PLC0415
 
