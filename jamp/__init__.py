@@ -10,7 +10,7 @@ Example:
   'p=full,c=bf16,o=full'
 """
 
-from jamp import fp8
+from jamp import fp8, optim_state
 from jamp.apply import PolicyModule, apply_policy, policy_scope, to_mixed_precision
 from jamp.autocast import autocast
 from jamp.booster import Boosted, boost
@@ -29,10 +29,12 @@ from jamp.loss_scale import (
 )
 from jamp.master import MasterWeightsState, master_params, master_weights
 from jamp.memory import MemoryReport, bytes_per_device, memory_report, tree_bytes
+from jamp.optim_state import low_precision_state
 from jamp.policy import (
     FP8_MODES,
     MODE_ALIASES,
     MODES,
+    STATE_MODES,
     MixedPrecision,
     Policy,
     PolicyLike,
@@ -65,6 +67,9 @@ __all__ = [
     "train_step",
     "MODES",
     "FP8_MODES",
+    "STATE_MODES",
+    "low_precision_state",
+    "optim_state",
     "MODE_ALIASES",
     "MasterWeightsState",
     "MemoryReport",

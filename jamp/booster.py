@@ -55,7 +55,7 @@ import orbax.checkpoint as ocp
 from flax import nnx, struct
 from flax.training import train_state
 
-from jamp import fp8, grad_accum, parallel
+from jamp import fp8, grad_accum, optim_state, parallel
 from jamp.apply import PolicyModule, apply_policy
 from jamp.autocast import autocast
 from jamp.parallel import zero
@@ -509,6 +509,14 @@ class Boosted:
             with ocp.StandardCheckpointer() as checkpointer:
                 return checkpointer.restore(path, abstract)
         except (ValueError, KeyError, TypeError) as e:
+            try:
+                with ocp.StandardCheckpointer() as checkpointer:
+                    saved = getattr(checkpointer.metadata(path), "item_metadata", None)
+            except Exception:  # noqa: BLE001  (no readable metadata: the general message)
+                saved = None
+            mismatch = saved is not None and optim_state.checkpoint_mismatch(abstract, saved)
+            if mismatch:
+                raise ValueError(f"{mismatch} ({path})") from None
             raise ValueError(
                 f"The checkpoint at {path} does not fit this model, optimizer and precision "
                 f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Restore it with the "
@@ -737,5 +745,5 @@ def boost(
     adapter = _adapter(model, mp, params, init_params)
     zeros = bool(log_num_zeros_in_grad) or mp.log_num_zeros_in_grad  # the seed's naive key
     return Boosted(mp, the_mesh, stage, accumulate, zeros, adapter,
-                   make_optimizer(mp, optimizer), loss_fn, _getter(inputs, "inputs"),
+                   make_optimizer(mp, optimizer, seed=seed), loss_fn, _getter(inputs, "inputs"),
                    _getter(targets, "targets"), seed)

@@ -144,6 +144,12 @@ FIELDS: dict[str, Field] = {
                         "master copy split, 2 + gradients (float32 reduce-scatter), 3 + "
                         "parameters (FSDP: gathered per layer in the compute dtype)",
                         Limit(lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3", "1")),
+    "optimizer_state": Field(str, "how the optimizer state is stored: float32, bf16, fp8 (fp8 "
+                             "mu, float16 sqrt(nu)) or name=dtype pairs such as "
+                             "'mu=fp8,nu=fp16,*=bf16' (None: the mode's)"),
+    "master_weights": Field(str, "master copy of bf16 params: float32, remainders (exact, "
+                            "2 B), kahan (2 B), stochastic (0 B), none (lossy) (None: the "
+                            "mode's)"),
     "fp8_amax_history_length": Field(int, "mode fp8 (delayed scaling): steps of amax history "
                                      "per tensor (>= 1; None: 1024, Transformer Engine's "
                                      "default)", _at_least(1, "1024", " (or None: 1024)")),

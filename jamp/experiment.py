@@ -120,10 +120,14 @@ def precision_from_config(config: Config) -> MixedPrecision:
     fields = {k: v for k, v in config.loss_scale.items() if v is not None}
     if "kind" in fields:
         fields["loss_scale"] = fields.pop("kind")
+    state = {k: config.get(k) for k in ("optimizer_state", "master_weights")
+             if config.get(k) is not None}
     try:
-        mp = mixed_precision(config.mode, **fields)
+        mp = mixed_precision(config.mode, **fields, **state)
     except ValueError as e:
-        raise ConfigError(f"--config.mode / --config.loss_scale: {e}") from None
+        flags = " / ".join(["--config.mode", "--config.loss_scale",
+                            *(f"--config.{k}" for k in state)])
+        raise ConfigError(f"{flags}: {e}") from None
     history = config.get("fp8_amax_history_length")
     if history is not None:
         if mp.fp8 is None or mp.fp8.strategy.collection is None:  # no state, no history
@@ -160,7 +164,7 @@ def build_optimizer(config: Config, total_steps: int,
         raise ConfigError(f"--config.optimizer={config.optimizer!r}: use 'adamw' or 'sgd'.")
     if config.grad_clip_norm:
         opt = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), opt)
-    return make_optimizer(mp, opt)
+    return make_optimizer(mp, opt, seed=config.seed)
 
 
 def pipeline_from_config(config: Config, mesh: jax.sharding.Mesh) -> GPipe | None:

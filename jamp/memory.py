@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, Sharding
 
 from jamp.master import MasterWeightsState
+from jamp.optim_state.master import Bf16MasterState
 
 
 def tree_bytes(tree: Any) -> int:
@@ -93,7 +94,7 @@ def _replicated_bytes(tree: Any) -> int:
 
 
 def _is_master_state(x: Any) -> bool:
-    return isinstance(x, MasterWeightsState)
+    return isinstance(x, MasterWeightsState | Bf16MasterState)
 
 
 def _split_master(opt_state: Any) -> tuple[Any, list[Any]]:
@@ -121,7 +122,9 @@ class PerDevice:
       grads: the gradients' shards (one per parameter, in its dtype, sharded as the
         step holds them: ``grad_shardings`` of :func:`memory_report`).
       opt_state: the optimizer state's shards, without the master copy.
-      master: the float32 master copy of :func:`jamp.master_weights` (0 if none).
+      master: the float32 master copy of :func:`jamp.master_weights`, or the buffer of a
+        :func:`jamp.optim_state.bf16_master` scheme (remainders, Kahan compensation);
+        0 if none.
       replicated: the part of the figures here held whole on every device of a 'data'
         axis of size > 1 (leaves whose sharding does not split them over 'data':
         scalars, leaves too small or not divisible); 0 when 'data' has size 1.

@@ -250,7 +250,13 @@ class MixedPrecision:
         "static" or "dynamic") and every scaling setting, ``divergence_steps``
         included.
       master_weights: keep fp32 master copies of half-precision params in the
-        optimizer state (apex O2 / Colossal-AI naive AMP).
+        optimizer state (apex O2 / Colossal-AI naive AMP): True or ``"float32"``; or,
+        for bf16 params, ``"remainders"`` (the low 16 bits: exact), ``"kahan"``,
+        ``"stochastic"`` (rounding, no copy) or ``"none"`` (lossy): see
+        :mod:`jamp.optim_state`.
+      optimizer_state: how the optimizer's per-parameter state is stored:
+        ``"float32"``, ``"bf16"``, ``"fp8"`` (fp8 first moment, float16 second) or a
+        mapping ``{state name: dtype}`` (:func:`jamp.low_precision_state`).
       fp8: a :class:`jamp.fp8.Fp8Recipe` (or ``"delayed"``/``"current"``): the
         Dense-type layers under ``policy`` (no override) run fp8 matmuls
         (:mod:`jamp.fp8`); ``None``: no fp8.
@@ -276,12 +282,20 @@ class MixedPrecision:
     overrides: Overrides = ()
     softmax_fp32: bool = False
     loss_scale: LossScaleConfig = LossScaleConfig()
-    master_weights: bool = False
+    master_weights: bool | str = False
     fp8: Fp8Recipe | None = None
     clip_grad_norm: float = 0.0
     log_num_zeros_in_grad: bool = False
+    optimizer_state: Any = "float32"
 
     def __post_init__(self):
+        from jamp import optim_state  # noqa: PLC0415  (optim_state is policy-free)
+
+        state = optim_state.check_optimizer_state(self.optimizer_state)
+        # A mapping is kept as (name, format) pairs in order: the recipe stays hashable.
+        object.__setattr__(self, "optimizer_state",
+                           state if isinstance(state, str) else tuple(state.items()))
+        optim_state.check_master_weights(self.master_weights)
         clip = self.clip_grad_norm
         if isinstance(clip, bool) or not isinstance(clip, int | float) or not clip >= 0:
             raise ValueError(f"clip_grad_norm must be a number >= 0 (0: no clipping), got "
@@ -303,6 +317,8 @@ class MixedPrecision:
                 f"loss_scale must be a jamp.LossScaleConfig or one of 'none', 'static', "
                 f"'dynamic', got {self.loss_scale!r}.")
         object.__setattr__(self, "policy", get_policy(self.policy))
+        optim_state.check_combination(self.optimizer_state, self.master_weights,
+                                      self.policy.param_dtype)
         if isinstance(self.overrides, Mapping):
             object.__setattr__(self, "overrides", tuple(self.overrides.items()))
         for key, _ in self.overrides:
@@ -437,6 +453,7 @@ def _mode_table() -> dict[str, dict[str, Any]]:
     mixed16 = Policy(f32, f16, f32)
     mixedbf = Policy(f32, bf16, f32)
     naive = Policy(f16, f16, f32)
+    lowmem = Policy(bf16, bf16, f32)
     return {
         "fp32": dict(policy=Policy(f32, f32, f32)),
         "fp16": dict(policy=mixed16, overrides=float32_overrides(mixed16), softmax_fp32=True,
@@ -452,6 +469,12 @@ def _mode_table() -> dict[str, dict[str, Any]]:
                     fp8=Fp8Recipe("delayed")),
         "fp8_current": dict(policy=mixedbf, overrides=float32_overrides(mixedbf),
                             softmax_fp32=True, fp8=Fp8Recipe("current")),
+        "bf16_lowmem": dict(policy=lowmem, overrides=float32_overrides(lowmem),
+                            softmax_fp32=True, optimizer_state="fp8",
+                            master_weights="stochastic"),
+        "bf16_lowmem_exact": dict(policy=lowmem, overrides=float32_overrides(lowmem),
+                                  softmax_fp32=True, optimizer_state="fp8",
+                                  master_weights="remainders"),
     }
 
 
@@ -464,6 +487,7 @@ MODE_ALIASES: dict[str, str] = {
     "fp16_pure": "fp16_pure", "O3": "fp16_pure", "16-true": "fp16_pure",
     "bf16_pure": "bf16_pure", "bf16-true": "bf16_pure",
     "fp8": "fp8", "fp8_delayed": "fp8", "fp8_current": "fp8_current",
+    "bf16_lowmem": "bf16_lowmem", "bf16_lowmem_exact": "bf16_lowmem_exact",
 }
 """Every accepted mode name (Lightning, apex and Colossal-AI spellings) -> canonical name."""
 
@@ -472,6 +496,11 @@ MODES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp16_naive", "fp16_pure", "bf
 
 FP8_MODES: tuple[str, ...] = ("fp8", "fp8_current")
 """The canonical fp8 mode names (bf16 plus fp8 matmuls, :mod:`jamp.fp8`)."""
+
+STATE_MODES: tuple[str, ...] = ("bf16_lowmem", "bf16_lowmem_exact")
+"""The canonical mode names with small optimizer state and master (:mod:`jamp.optim_state`)."""
+
+_CANONICAL = MODES + FP8_MODES + STATE_MODES
 
 
 _PENDING_SCALE_FIELDS = {"num_losses": 1, "verbose": False}
@@ -517,11 +546,18 @@ def mixed_precision(name: str | int | Mapping[str, Any] | MixedPrecision | None 
         fields (the jamp ViT's attention projections) run fp8 too; raw
         ``jnp.einsum``/``@`` on parameters inside a module stay bf16 (no hook).
       - ``fp8_current``: the same with current scaling (stateless).
+      - ``bf16_lowmem``: params and compute bf16 (norms f32), output f32; AdamW's
+        ``mu`` fp8 and ``nu`` float16 (``optimizer_state="fp8"``), no master copy:
+        stochastic rounding (``master_weights="stochastic"``). 7 bytes per parameter
+        with bf16 gradients (16 for ``bf16``).
+      - ``bf16_lowmem_exact``: the same with an exact master kept as 16-bit
+        remainders (``master_weights="remainders"``): 9 bytes per parameter.
 
     Args:
       name: a mode name or alias, or an existing ``MixedPrecision``.
       **overrides: replace individual fields, e.g. ``policy="p=f32,c=bf16,o=f32"``,
-        ``master_weights=True``, ``overrides={"head": "f32"}`` (replaces the
+        ``master_weights=True``, ``optimizer_state="bf16"``,
+        ``overrides={"head": "f32"}`` (replaces the
         mode's overrides of the same kind, classes or path patterns: see
         :func:`replace_overrides`); and the loss-scale settings by name
         (``init_scale=2**15``, ``hysteresis=1``, ``divergence_steps=20``, ...), or
@@ -553,8 +589,8 @@ def mixed_precision(name: str | int | Mapping[str, Any] | MixedPrecision | None 
         if canonical is None:
             raise ValueError(
                 f"Unknown mixed-precision mode {name!r}. Valid modes: "
-                f"{', '.join(MODES + FP8_MODES)}; aliases: "
-                f"{', '.join(k for k in MODE_ALIASES if k not in MODES + FP8_MODES)}."
+                f"{', '.join(_CANONICAL)}; aliases: "
+                f"{', '.join(k for k in MODE_ALIASES if k not in _CANONICAL)}."
             )
         base = MixedPrecision(name=canonical, **_mode_table()[canonical])
     fields = {f.name for f in dataclasses.fields(MixedPrecision)} - {"name"}

@@ -34,9 +34,8 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from jamp import grad_stats
+from jamp import grad_stats, optim_state
 from jamp.loss_scale import loss_scale, overflow_stats, scale_loss
-from jamp.master import master_weights
 
 if TYPE_CHECKING:
     from jamp.policy import PolicyLike
@@ -129,8 +128,10 @@ def make_optimizer(
     tx: optax.GradientTransformation,
     *,
     axis_names: tuple[str, ...] = (),
+    seed: int = 0,
 ) -> optax.GradientTransformation:
-    """Wraps ``tx`` as the mode requires: clipping, master weights, then the loss scale.
+    """Wraps ``tx`` as the mode requires: clipping, state precision, master weights, then
+    the loss scale.
 
     With ``mp.clip_grad_norm`` > 0, ``tx`` first clips the unscaled gradients
     to that global norm (Colossal-AI naive AMP's ``clip_grad``).
@@ -148,6 +149,11 @@ def make_optimizer(
         loss scale: name a mode to get one).
       tx: any optax optimizer (clipping inside it sees unscaled gradients).
       axis_names: mesh axes to reduce the overflow check over inside ``shard_map``.
+      seed: the seed of ``master_weights="stochastic"`` rounding.
+
+    With ``mp.optimizer_state`` other than ``"float32"`` the state of ``tx`` is stored
+    small (:func:`jamp.low_precision_state`); a ``master_weights`` scheme other than
+    True/False wraps it in :func:`jamp.optim_state.bf16_master`.
 
     Example:
       >>> import optax, jamp
@@ -160,8 +166,7 @@ def make_optimizer(
     mp = to_mixed_precision(mp)
     if mp.clip_grad_norm:  # unscaled gradients (in float32 under master weights)
         tx = optax.chain(optax.clip_by_global_norm(mp.clip_grad_norm), tx)
-    if mp.master_weights:
-        tx = master_weights(tx)
+    tx = optim_state.wrap(tx, mp.optimizer_state, mp.master_weights, seed=seed)
     return mp.loss_scale.wrap(tx, axis_names)
 
 
