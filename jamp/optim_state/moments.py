@@ -129,17 +129,25 @@ def as_format(spec: FormatLike) -> StateFormat:
 
 
 class QuantizedLeaf(NamedTuple):
-    """One stored state leaf: ``value`` in the format's dtype and its float32 ``scale``
-    (shape ``()`` per tensor, the leaf's shape with the last axis counted in blocks per
-    block; ``()`` ones for unscaled formats)."""
+    """One stored state leaf, quantized.
+
+    Attributes:
+      value: the leaf in the format's dtype.
+      scale: its float32 scale: shape ``()`` per tensor, the leaf's shape with the last axis
+        counted in blocks per block; ``()`` ones for unscaled formats.
+    """
 
     value: jax.Array
     scale: jax.Array
 
 
 class LowPrecisionState(NamedTuple):
-    """State of :func:`low_precision_state`: the inner state with its per-parameter
-    floating leaves replaced by :class:`QuantizedLeaf`."""
+    """State of :func:`low_precision_state`.
+
+    Attributes:
+      inner_state: the inner optimizer's state, its per-parameter floating leaves replaced
+        by :class:`QuantizedLeaf`.
+    """
 
     inner_state: optax.OptState
 
