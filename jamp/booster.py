@@ -434,7 +434,10 @@ class Boosted:
         """
         if self.tensor_stats is None:
             return None
-        return self.tensor_stats.explain(metrics)
+        shardings = self._built.get("shardings")
+        if shardings is not None:
+            shardings = jax.tree_util.tree_leaves(shardings.params)
+        return self.tensor_stats.explain(metrics, shardings)
 
     def stats_table(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """``{group: {layer: {statistic: value}}}`` of a step that collected statistics

@@ -133,11 +133,9 @@ def array_stats(x: jax.Array, dtype: Any = None, scale: jax.Array | float = 1.0,
     x = jnp.asarray(x)
     info = jnp.finfo(x.dtype if dtype is None else dtype)
     wide = jnp.promote_types(x.dtype, jnp.float32)
-    a = jnp.abs(x.astype(wide))
-    if not split:
-        a = a.reshape(1, -1)
-    axes = tuple(range(1, a.ndim))
-    size = math.prod(a.shape[1:])
+    a = jnp.abs(x.astype(wide))  # no reshape: a sharded leaf keeps its layout
+    axes = tuple(range(1 if split else 0, a.ndim))
+    size = math.prod(a.shape[1:] if split else a.shape)
     nan, inf = jnp.isnan(a), jnp.isinf(a)
     nonzero = (a != 0) & ~nan & ~inf
     count = lambda m: jnp.sum(m, axis=axes, dtype=jnp.int32)
@@ -151,7 +149,7 @@ def array_stats(x: jax.Array, dtype: Any = None, scale: jax.Array | float = 1.0,
     inv = 1.0 / jnp.asarray(scale, jnp.float32)
     with np.errstate(divide="ignore"):
         log_max = float(np.log2(float(info.max)))
-    return Stats(
+    stats = Stats(
         amax=(amax * inv).astype(jnp.float32),
         min_nonzero=(low * inv).astype(jnp.float32),
         zero_fraction=share(a == 0),
@@ -161,6 +159,7 @@ def array_stats(x: jax.Array, dtype: Any = None, scale: jax.Array | float = 1.0,
         nan_count=nan_count,
         inf_count=inf_count,
     )
+    return stats if split else Stats(*(jnp.reshape(v, (1,)) for v in stats))
 
 
 def _key_name(k: Any) -> str:
@@ -219,15 +218,14 @@ def ordered_leaves(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, A
 
 
 def _layer_name(parts: tuple[str, ...]) -> str:
-    if "__call__" in parts:
-        i = parts.index("__call__")
-        rest = [p for p in parts[i + 1:]]
-        if rest and rest[0] == "0":  # the first (usually only) call's output
-            rest = rest[1:]
-        while rest and rest[-1] == "0":  # (x, None) outputs: the first element
-            rest = rest[:-1]
-        parts = parts[:i] + tuple(f"[{p}]" for p in rest)
-    return "/".join(parts) or "(output)"
+    if "__call__" not in parts:
+        return "/".join(parts) or "(output)"
+    i = parts.index("__call__")
+    call, *rest = parts[i + 1:] or ("0",)
+    while rest and rest[-1] == "0":  # (x, None) outputs: the first element
+        rest = rest[:-1]
+    name = "/".join(parts[:i]) or "(output)"  # the model's own output: the root's call
+    return name + ("" if call == "0" else f"#{call}") + "".join(f"[{p}]" for p in rest)
 
 
 def _rows(named: list[tuple[str, Any]], scanned: Sequence[str]) -> list[Row]:
@@ -457,7 +455,7 @@ def _devices(sharding: Any, shape: tuple[int, ...], index: tuple[int, ...]) -> s
     held = sorted(d.id for d, slices in where.items()
                   if all(s.start is None or s.start <= i < (s.stop or n) for s, i, n
                          in zip(slices, index, shape, strict=True)))
-    if not held or len(held) == len(where) and len(where) == 1:
+    if not held or len(held) == len(where):  # one device, or every device holds it
         return ""
     return f", on device{'s' if len(held) > 1 else ''} {','.join(map(str, held))}"
 

@@ -1,0 +1,201 @@
+"""jamp.tensor_stats: statistics equal numpy's, shards combined exactly, nothing added when
+off, and a skipped step names the layer (forward) and the gradient leaf that went bad, on
+several meshes and at ZeRO-3."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jamp
+from jamp import tensor_stats as ts
+
+# ----------------------------------------------------------------------------- numpy's
+
+
+def numpy_stats(x, dtype, scale=1.0):
+    """The reference, written from the definitions in float64."""
+    a = np.abs(np.asarray(x, np.float64)).ravel()
+    info = ml_dtypes.finfo(dtype)
+    nan, inf = np.isnan(a), np.isinf(a)
+    finite_nonzero = ~nan & ~inf & (a != 0)
+    n = max(a.size, 1)
+    amax = np.nan if nan.any() else (a.max() if a.size else 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return dict(
+            amax=amax / scale,
+            min_nonzero=(a[finite_nonzero].min() if finite_nonzero.any() else np.inf) / scale,
+            zero_fraction=np.sum(a == 0) / n,
+            underflow_fraction=np.sum(finite_nonzero & (a < float(info.smallest_normal))) / n,
+            flush_fraction=np.sum(finite_nonzero & (a <= float(info.smallest_subnormal) / 2)) / n,
+            headroom_bits=np.log2(float(info.max)) - np.log2(amax),
+            nan_count=int(nan.sum()), inf_count=int(inf.sum()))
+
+
+def assert_matches(stats, ref, row=0):
+    for name in ts.STATISTICS:
+        got = np.asarray(getattr(stats, name))[row]
+        atol = 1e-6 if name == "headroom_bits" else 0  # a float32 log2
+        np.testing.assert_allclose(got, ref[name], rtol=1e-6, atol=atol, err_msg=name)
+
+
+SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-8, 3e-5, 7e-6, 6e4, 7e4, 1.0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (7, 1, 2)])
+def test_statistics_equal_numpys(dtype, shape):
+    rng = np.random.default_rng(0)
+    x = rng.choice(SPECIALS, size=shape) * rng.uniform(0.5, 2.0, size=shape)
+    x = jnp.asarray(x, dtype)  # the array as it is held: values already rounded to dtype
+    for against in (jnp.float16, jnp.bfloat16):
+        assert_matches(ts.array_stats(x, against), numpy_stats(np.asarray(x, np.float64), against))
+
+
+def test_scaled_gradients_report_unscaled_magnitudes_and_scaled_headroom():
+    g = jnp.array([1024.0, 2.0 ** -14, 0.0])  # as differentiated under a loss scale of 1024
+    s = ts.array_stats(g, jnp.float16, scale=1024.0)
+    assert_matches(s, numpy_stats(np.asarray(g), jnp.float16, 1024.0))
+    assert float(s.amax[0]) == 1.0 and float(s.headroom_bits[0]) == pytest.approx(5.999, abs=1e-3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from([0.0, np.inf, -np.inf, np.nan]),
+                          st.floats(-1e6, 1e6, allow_nan=False)
+                          .filter(lambda v: v == 0 or abs(v) > 1e-30)), min_size=24, max_size=24),
+       st.sampled_from([jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn]))
+def test_any_values_match_numpy(values, dtype):
+    x = np.asarray(values, np.float32)
+    assert_matches(ts.array_stats(jnp.asarray(x), dtype), numpy_stats(x, dtype))
+
+
+def test_scanned_leaves_give_one_row_per_layer_named_with_its_index():
+    x = jnp.stack([jnp.array([1.0, 2.0]), jnp.array([jnp.nan, 0.0]), jnp.array([0.0, -8.0])])
+    stats, rows = ts.tree_stats(ts.named_leaves({"enc": {"layers": {"w": x}}, "b": x[0]}),
+                                jnp.float16, scanned=("layers",))
+    assert [r.name for r in rows] == ["b", "enc/layers/0/w", "enc/layers/1/w", "enc/layers/2/w"]
+    for i, row in enumerate([x[0], x[0], x[1], x[2]]):
+        assert_matches(stats, numpy_stats(np.asarray(row), jnp.float16), i)
+
+
+# ----------------------------------------------------------------------------- shards
+
+
+def test_shards_combine_exactly_nan_and_infs_in_one_shard_and_no_replica_counted_twice():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    x = np.arange(64, dtype=np.float32).reshape(8, 8) - 20.0
+    x[1, 2], x[1, 3], x[0, 0] = np.nan, np.inf, -np.inf  # all in the shard of device 0
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+    replicated = jax.device_put(x, NamedSharding(mesh, P()))
+    f = jax.jit(lambda a: ts.array_stats(a, jnp.float16))
+    for arr in (sharded, replicated):
+        assert_matches(f(arr), numpy_stats(x, jnp.float16))
+    clean = np.where(np.isfinite(x), x, 1.0)
+    clean[7, 7] = np.nan  # NaN in the last shard only: the max must still say NaN
+    s = f(jax.device_put(clean, NamedSharding(mesh, P("data", "model"))))
+    assert np.isnan(s.amax[0]) and int(s.nan_count[0]) == 1
+
+
+# ----------------------------------------------------------------------------- off / on
+
+
+def _step_jaxpr(collector):
+    state = jamp.step.TrainState.create(apply_fn=None, params={"w": jnp.ones(3)},
+                                        tx=jamp.make_optimizer("fp16", optax.sgd(0.1)))
+    loss = lambda v, b, r: (jnp.mean((b @ v["params"]["w"]) ** 2), {})
+    f = lambda s, b: jamp.step.loss_scaled_step(s, b, None, loss, tensor_stats=collector)
+    return str(jax.make_jaxpr(f)(state, jnp.ones((2, 3))))
+
+
+def test_off_adds_no_operation_and_on_adds_conds():
+    plain = _step_jaxpr(None)
+    assert _step_jaxpr(ts.Collector(every=0, explain_skips=False)) == plain
+    skips_only = _step_jaxpr(ts.Collector(every=0))
+    assert skips_only.count("cond[") == plain.count("cond[") + 1
+    assert _step_jaxpr(ts.Collector(every=100)).count("cond[") == plain.count("cond[") + 2
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "x", True])
+def test_bad_every_or_group_is_one_clear_error(bad):
+    with pytest.raises(ValueError, match="every="):
+        ts.Collector(every=bad)
+    with pytest.raises(ValueError, match="Unknown tensor statistics group"):
+        ts.Collector(every=1, groups=("grads", "weights"))
+    with pytest.raises(ValueError, match="Unknown statistic 'max'"):
+        ts.check_statistic("max")
+
+
+# ----------------------------------------------------------------------------- skip reasons
+
+
+@jax.custom_vjp
+def _poison(gate, flag):
+    return gate
+
+
+def _poison_fwd(gate, flag):
+    return gate, flag
+
+
+def _poison_bwd(flag, g):
+    return jnp.where(flag > 0, jnp.nan, 1.0).astype(g.dtype) * g, jnp.zeros_like(flag)
+
+
+_poison.defvjp(_poison_fwd, _poison_bwd)
+
+
+class Net(nn.Module):
+    """The last input column flags a poisoned example: the gradient of ``gate`` alone goes
+    NaN on the shard that holds it."""
+
+    @nn.compact
+    def __call__(self, x):
+        flag, x = jnp.max(x[:, -1]), x[:, :-1]
+        h = nn.relu(nn.Dense(8, name="Dense_0")(x))
+        h = nn.Dense(8, name="Dense_1")(h)
+        h = h * _poison(self.param("gate", nn.initializers.ones, (8,)), flag)
+        return nn.Dense(2, name="Dense_2")(h)
+
+
+MESHES = {"one device": dict(mesh=None), "data=4": dict(mesh={"data": 4}),
+          "data=2 x model=2": dict(mesh={"data": 2, "model": 2}),
+          "data=4 ZeRO-3": dict(mesh={"data": 4}, zero_stage=3)}
+
+
+@pytest.mark.parametrize("where", list(MESHES))
+def test_a_skip_names_the_forward_layer_and_the_gradient_leaf(where):
+    b = jamp.boost(Net(), optax.sgd(0.1), lambda y, t: jnp.mean((y - t) ** 2), "fp16",
+                   tensor_stats=1000, **MESHES[where])
+    x = jnp.concatenate([jnp.ones((8, 4)), jnp.zeros((8, 1))], axis=1)
+    batch = (x, jnp.zeros((8, 2)))
+    state = b.init(jax.random.key(0), batch)
+
+    state, m = b.step(state, batch)  # finite: nothing to say, statistics collected (step 0)
+    m = jax.device_get(m)
+    assert not m["skipped"] and b.explain(m) is None and m["tensor_stats_collected"]
+    table = b.stats_table(m)
+    # The root's second call: jamp.apply_policy's cast of the output to its output dtype.
+    assert list(table["activations"]) == ["Dense_0", "Dense_1", "Dense_2", "(output)",
+                                          "(output)#1"]
+    assert table["grads"]["gate"]["nan_count"] == 0
+
+    poisoned = (x.at[5, -1].set(1.0), batch[1])  # example 5: the shard of device 2 of 4
+    state, m = b.step(state, poisoned)
+    m = jax.device_get(m)
+    assert m["skipped"] and not m["tensor_stats_collected"]
+    assert b.explain(m) == "NaN in the gradient of gate (element (0,))"
+
+    big = jax.tree_util.tree_map(lambda p: p, state.params)
+    big["Dense_1"]["bias"] = big["Dense_1"]["bias"] + 7e4  # Dense_1's output > 65504: inf
+    state, m = b.step(state.replace(params=big), batch)
+    m = jax.device_get(m)
+    assert m["skipped"]
+    reason = b.explain(m)
+    assert reason.endswith("; forward: inf in the output of Dense_1"), reason
