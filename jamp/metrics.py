@@ -87,6 +87,46 @@ class MetricsWriter:
             f.write(_line(record))
         self._scalars(record)
 
+    def write_tensor_stats(self, step: int, table: dict[str, dict[str, dict[str, float]]],
+                           **extra: Any) -> None:
+        """Appends ``{"step": s, **extra, group: {layer: {statistic: v}}}`` to
+        ``tensor_stats.jsonl`` (:func:`jamp.tensor_stats.table`); TensorBoard gets each
+        layer's amax and underflow share, each group's worst headroom and non-finite count,
+        and a histogram of log2 amax over the group's layers.
+
+        Example:
+          >>> import tempfile
+          >>> w = MetricsWriter(tempfile.mkdtemp())
+          >>> w.write_tensor_stats(1, {"grads": {"w": {"amax": 2.0, "underflow_fraction": 0.0,
+          ...                      "headroom_bits": 15.0, "nan_count": 0, "inf_count": 0}}})
+          >>> w.close()
+        """
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _py(v) for k, v in extra.items()}, **table}
+        with open(os.path.join(os.path.dirname(self.path), "tensor_stats.jsonl"), "a") as f:
+            f.write(_line(record))
+        if self._tb is None:
+            return
+        import numpy as np
+
+        for group, layers in table.items():
+            amax = [v["amax"] for v in layers.values() if math.isfinite(v["amax"]) and v["amax"]]
+            if amax:
+                self._tb.add_histogram(f"tensor_stats/{group}/log2_amax", np.log2(amax), step)
+            headroom = [v["headroom_bits"] for v in layers.values()
+                        if math.isfinite(v["headroom_bits"])]
+            if headroom:
+                self._tb.add_scalar(f"tensor_stats/{group}/min_headroom_bits", min(headroom),
+                                    step)
+            self._tb.add_scalar(f"tensor_stats/{group}/non_finite", sum(
+                v["nan_count"] + v["inf_count"] for v in layers.values()), step)
+            for name, v in layers.items():
+                for stat in ("amax", "underflow_fraction"):
+                    if math.isfinite(v[stat]):
+                        self._tb.add_scalar(f"tensor_stats/{group}/{stat}/{name}", v[stat], step)
+        self._tb.flush()
+
     def _scalars(self, record: dict[str, Any]) -> None:
         if self._tb is not None:
             for k, v in record.items():

@@ -273,8 +273,10 @@ def tree_stats(named: list[tuple[str, Any]], dtype: Any = None, scale: Any = 1.0
 
 
 def _first_bad(named: list[tuple[str, Any]], rows: list[Row], order: list[int],
-               limit: float | None = None) -> dict[str, jax.Array]:
-    """The first row (in ``order``) holding inf or NaN (or a magnitude above ``limit``)."""
+               limit: float | None = None, prefer_inf: bool = False) -> dict[str, jax.Array]:
+    """The first row (in ``order``) holding inf or NaN (or a magnitude above ``limit``);
+    with ``prefer_inf`` the first holding inf and no NaN if there is one (an overflow in
+    the backward pass spreads as NaN, inf - inf, to the leaves computed after it)."""
     kinds, amaxes = [], []
     for i, (_, leaf) in enumerate(named):
         split = any(r.leaf == i and r.index is not None for r in rows)
@@ -288,6 +290,9 @@ def _first_bad(named: list[tuple[str, Any]], rows: list[Row], order: list[int],
     amax_all = jnp.concatenate(amaxes)[jnp.asarray(order, jnp.int32)]
     flags = kinds_all > 0
     pos = jnp.argmax(flags)
+    if prefer_inf:
+        inf_only = kinds_all == 1
+        pos = jnp.where(jnp.any(inf_only), jnp.argmax(inf_only), pos)
     any_bad = jnp.any(flags)
     row = jnp.where(any_bad, jnp.asarray(order, jnp.int32)[pos], -1)
     # The first non-finite element of each leaf (flat index in the whole leaf).
@@ -423,7 +428,8 @@ class Collector:
                 named = named_leaves(grads)
                 rows = _rows(named, self.scanned)
                 self.rows.setdefault("grads", rows)
-                result = {"grads": _first_bad(named, rows, list(range(len(rows))))}
+                result = {"grads": _first_bad(named, rows, list(range(len(rows))),
+                                              prefer_inf=True)}
                 if forward is not None:
                     named = ordered_leaves(forward())
                     rows = _rows(named, self.scanned)
