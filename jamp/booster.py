@@ -173,9 +173,9 @@ def _linen(model: nn.Module, mp: MixedPrecision) -> _Model:
 
     def activations(variables, inputs, train, rng, mutable):
         rngs = None if rng is None else {"dropout": rng}
-        _, captured = module.apply(variables, inputs, rngs=rngs, capture_intermediates=True,
-                                   mutable=[*mutable, "intermediates"], **train_kwargs(train))
-        return captured["intermediates"]
+        return tensor_stats_module.linen_activations(module.apply, variables, inputs,
+                                                     rngs=rngs, mutable=list(mutable),
+                                                     **train_kwargs(train))
 
     return _Model(init, apply, activations)
 

@@ -533,23 +533,41 @@ def table(metrics: Mapping[str, Any], rows: Mapping[str, list[Row]]
 # ----------------------------------------------------------------------------- models
 
 
-def linen_activations(state: Any, variables: Mapping[str, Any], inputs: Any, rng: Any,
-                      **kwargs: Any) -> Any:
-    """Every linen layer's output, through ``capture_intermediates``, in call order.
+def linen_activations(apply_fn: Callable[..., Any], variables: Mapping[str, Any], *args: Any,
+                      mutable: Sequence[str] = (), **kwargs: Any) -> dict[str, Any]:
+    """Every linen module's ``__call__`` output, by ``capture_intermediates``, in the order
+    the calls finished (a layer after the layers it calls): ``{path: {"__call__": outputs}}``
+    for :func:`ordered_leaves`.
 
-    ``state.apply_fn`` is a linen ``Module.apply`` (e.g. ``jamp.apply_policy``'s);
-    ``kwargs`` go to it (e.g. ``train=True``).
+    ``apply_fn`` is a linen ``Module.apply`` (e.g. a ``jamp.apply_policy`` model's);
+    ``args``/``kwargs`` go to it; ``mutable``: collections the call updates (batch stats).
+    The order is recorded as the calls finish: flax's collections (and JAX's trees) sort
+    their keys, which is not the order of the forward pass.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
-      >>> from types import SimpleNamespace
-      >>> m = nn.Sequential([nn.Dense(2), nn.Dense(1)])
+      >>> m = nn.Sequential([nn.Dense(2, name="b"), nn.Dense(1, name="a")])
       >>> v = m.init(jax.random.key(0), jnp.ones((1, 3)))
-      >>> acts = linen_activations(SimpleNamespace(apply_fn=m.apply), v, jnp.ones((1, 3)), None)
-      >>> [n for n, _ in ordered_leaves(acts)]
-      ['layers_0', 'layers_1', '(output)']
+      >>> [n for n, _ in ordered_leaves(linen_activations(m.apply, v, jnp.ones((1, 3))))]
+      ['b', 'a', '(output)']
     """
-    rngs = None if rng is None else {"dropout": rng}
-    _, captured = state.apply_fn(dict(variables), inputs, rngs=rngs, capture_intermediates=True,
-                                 mutable=["intermediates"], **kwargs)
-    return captured["intermediates"]
+    order: list[tuple[str, ...]] = []
+
+    def capture(module: Any, method_name: str) -> bool:
+        if method_name != "__call__":
+            return False
+        path = tuple(module.scope.path) if module.scope is not None else ()
+        if path not in order:
+            order.append(path)
+        return True
+
+    _, captured = apply_fn(dict(variables), *args, capture_intermediates=capture,
+                           mutable=[*mutable, "intermediates"], **kwargs)
+    tree, out = captured["intermediates"], {}
+    for path in order:
+        node = tree
+        for part in path:
+            node = node.get(part, {}) if isinstance(node, Mapping) else {}
+        if isinstance(node, Mapping) and "__call__" in node:
+            out["/".join(path)] = {"__call__": node["__call__"]}
+    return out

@@ -109,7 +109,7 @@ def stats_collector(exp: Experiment) -> tensor_stats.Collector:
     activations = None
     if c.tensor_stats_every and c.framework == "linen" and exp.pipeline is None:
         activations = lambda state, variables, batch, rng: tensor_stats.linen_activations(
-            state, variables, batch["image"], rng, train=True)
+            state.apply_fn, variables, batch["image"], train=True, rngs={"dropout": rng})
     return tensor_stats.Collector(
         every=int(c.tensor_stats_every), compute_dtype=exp.precision.policy.compute_dtype,
         scanned=("layers",) if c.scan_layers else (), activations=activations)

@@ -153,15 +153,15 @@ _poison.defvjp(_poison_fwd, _poison_bwd)
 
 class Net(nn.Module):
     """The last input column flags a poisoned example: the gradient of ``gate`` alone goes
-    NaN on the shard that holds it."""
+    NaN on the shard that holds it. The layers' names do not sort in the order they run."""
 
     @nn.compact
     def __call__(self, x):
         flag, x = jnp.max(x[:, -1]), x[:, :-1]
-        h = nn.relu(nn.Dense(8, name="Dense_0")(x))
-        h = nn.Dense(8, name="Dense_1")(h)
+        h = nn.relu(nn.Dense(8, name="enc")(x))
+        h = nn.Dense(8, name="proj")(h)
         h = h * _poison(self.param("gate", nn.initializers.ones, (8,)), flag)
-        return nn.Dense(2, name="Dense_2")(h)
+        return nn.Dense(2, name="head")(h)
 
 
 MESHES = {"one device": dict(mesh=None), "data=4": dict(mesh={"data": 4}),
@@ -182,8 +182,7 @@ def test_a_skip_names_the_forward_layer_and_the_gradient_leaf(where):
     assert not m["skipped"] and b.explain(m) is None and m["tensor_stats_collected"]
     table = b.stats_table(m)
     # The root's second call: jamp.apply_policy's cast of the output to its output dtype.
-    assert list(table["activations"]) == ["Dense_0", "Dense_1", "Dense_2", "(output)",
-                                          "(output)#1"]
+    assert list(table["activations"]) == ["enc", "proj", "head", "(output)", "(output)#1"]
     assert table["grads"]["gate"]["nan_count"] == 0
 
     poisoned = (x.at[5, -1].set(1.0), batch[1])  # example 5: the shard of device 2 of 4
@@ -193,9 +192,68 @@ def test_a_skip_names_the_forward_layer_and_the_gradient_leaf(where):
     assert b.explain(m) == "NaN in the gradient of gate (element (0,))"
 
     big = jax.tree_util.tree_map(lambda p: p, state.params)
-    big["Dense_1"]["bias"] = big["Dense_1"]["bias"] + 7e4  # Dense_1's output > 65504: inf
+    big["proj"]["bias"] = big["proj"]["bias"] + 7e4  # proj's output > 65504: inf, then head's
     state, m = b.step(state.replace(params=big), batch)
     m = jax.device_get(m)
     assert m["skipped"]
     reason = b.explain(m)
-    assert reason.endswith("; forward: inf in the output of Dense_1"), reason
+    assert reason.endswith("; forward: inf in the output of proj"), reason
+
+
+# ----------------------------------------------------------------------------- jamp.inspect
+
+TINY = ["--config.image_size=8", "--config.patch_size=4", "--config.num_layers=2",
+        "--config.hidden_size=16", "--config.num_heads=2", "--config.mlp_dim=32",
+        "--config.batch_size=16", "--config.warmup_steps=1"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "steps=0: use a whole number of steps >= 1"),
+    (["--sort", "maxx"], "Unknown statistic 'maxx' for --sort"),
+    (["--modes", "fp17"], "fp17"),
+    (["--config.no_such_field=1"], "no_such_field"),
+])
+def test_inspect_bad_values_one_line_exit_2_nothing_written(args, message, tmp_path, capsys):
+    from jamp.inspect import main
+
+    out = tmp_path / "heat.png"
+    assert main(["--config", "vit_fp16", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("jamp.inspect: error: ") and message in err
+    assert not out.exists()
+
+
+def test_inspect_prints_table_advice_and_writes_the_heat_map(tmp_path, capsys):
+    from jamp.inspect import main
+
+    out = tmp_path / "heat.png"
+    assert main(["--config", "vit_fp16", "--modes", "fp16", "--steps", "3", "--out", str(out),
+                 "--sort", "headroom_bits", "--top", "0", *TINY]) == 0
+    text = capsys.readouterr().out
+    assert "== fp16 (compute float16; 3 steps, 0 skipped) ==" in text
+    # Every scanned layer's output, in the table, with its headroom to float16's max.
+    assert "activations encoder/layers/1/MlpBlock_0/Dense_0 " in text
+    assert "grads       encoder/layers/0/SelfAttention_0/query_kernel " in text
+    assert "no layer needs float32" in text and "initial loss scale " in text
+    assert "fp16 works for this model" in text
+    assert out.stat().st_size > 10_000
+    bad = tmp_path / "bad.png"
+    assert main(["--config", "vit_fp16", "--modes", "fp16", "--steps", "1", "--out", str(bad),
+                 "--layer", "encoder/layerz", *TINY]) == 2
+    assert "No layer path starts with 'encoder/layerz'" in capsys.readouterr().err
+    assert not bad.exists()
+
+
+def test_inspect_advice_keeps_an_overflowing_layer_in_float32_and_picks_bf16():
+    """A hand-made run: the fp16 forward's Dense_1 reaches 7e4 (> 65504)."""
+    from jamp.inspect import ModeRun, _advice
+
+    step = {"activations": {"Dense_0": dict(amax=3.0, headroom_bits=14.4),
+                            "Dense_1": dict(amax=np.inf, headroom_bits=-np.inf)},
+            "grads": {"Dense_0/kernel": dict(amax=0.5, headroom_bits=3.0,
+                                             underflow_fraction=0.0)}}
+    run = ModeRun("fp16", "float16", [step, step], [65536.0] * 2, [None, None], 65536.0)
+    advice = _advice({"fp16": run})
+    assert advice[0].startswith("keep in float32") and advice[0].endswith(": Dense_1")
+    assert any(a.startswith("bf16 rather than fp16") for a in advice)
+    assert any("initial loss scale 32768 (2^15)" in a for a in advice)  # 65504 / 0.5 / 2
