@@ -546,7 +546,11 @@ def linen_activations(apply_fn: Callable[..., Any], variables: Mapping[str, Any]
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
-      >>> m = nn.Sequential([nn.Dense(2, name="b"), nn.Dense(1, name="a")])
+      >>> class Net(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):  # "b" runs first
+      ...         return nn.Dense(1, name="a")(nn.Dense(2, name="b")(x))
+      >>> m = Net()
       >>> v = m.init(jax.random.key(0), jnp.ones((1, 3)))
       >>> [n for n, _ in ordered_leaves(linen_activations(m.apply, v, jnp.ones((1, 3))))]
       ['b', 'a', '(output)']
