@@ -65,6 +65,7 @@ class MetricsWriter:
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(_line(r) for r in kept)
             os.replace(self.path + ".tmp", self.path)
+            _drop_after(os.path.join(workdir, "tensor_stats.jsonl"), resume_step)
         try:
             from tensorboardX import SummaryWriter
         except ImportError:  # pragma: no cover - tensorboardX is a dependency
@@ -170,6 +171,24 @@ class Throughput:
             self.rates.append(rate)
         self.start, self.images = time.perf_counter(), 0
         return rate
+
+
+def _drop_after(path: str, step: int) -> None:
+    """Keeps the rows of the JSONL file ``path`` (if any) logged at or before ``step``."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):  # a line cut short by a killed run
+            continue
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def _py(value: Any) -> Any:

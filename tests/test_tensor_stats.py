@@ -271,3 +271,20 @@ def test_the_debugging_guide_example_runs_and_prints_what_it_says(capsys):
     printed = capsys.readouterr().out.splitlines()
     said = [line[2:] for line in code.splitlines() if line.startswith("# ")]
     assert printed[-1] == said[-1], (printed, said)
+
+
+def test_a_resumed_run_drops_the_statistics_logged_after_its_checkpoint(tmp_path):
+    import json
+
+    from jamp.metrics import MetricsWriter
+
+    w = MetricsWriter(str(tmp_path))
+    row = {"w": {"amax": float("nan"), "underflow_fraction": 0.0, "headroom_bits": 1.0,
+                 "nan_count": 1, "inf_count": 0}}
+    for step in (10, 20, 30):
+        w.write_tensor_stats(step, {"grads": row}, loss_scale=2.0)
+    w.close()
+    MetricsWriter(str(tmp_path), resume_step=20).close()
+    lines = (tmp_path / "tensor_stats.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [10, 20]
+    assert json.loads(lines[0])["grads"]["w"]["amax"] == "NaN"  # strict JSON
