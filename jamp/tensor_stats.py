@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,23 +139,25 @@ def array_stats(x: jax.Array, dtype: Any = None, scale: jax.Array | float = 1.0,
     size = math.prod(a.shape[1:] if split else a.shape)
     nan, inf = jnp.isnan(a), jnp.isinf(a)
     nonzero = (a != 0) & ~nan & ~inf
-    count = lambda m: jnp.sum(m, axis=axes, dtype=jnp.int32)
+    tiny = jnp.asarray(float(info.smallest_normal), wide)
+    half_sub = jnp.asarray(float(info.smallest_subnormal) / 2, wide)
+    count = lambda m: jnp.sum(m, axis=axes, dtype=jnp.int32)  # int32: exact past 2**24
+    zeros, under, flushed = count(a == 0), count(nonzero & (a < tiny)), count(
+        nonzero & (a <= half_sub))
     nan_count, inf_count = count(nan), count(inf)
     amax = jnp.max(jnp.where(nan, 0, a), axis=axes, initial=0)
     amax = jnp.where(nan_count > 0, jnp.nan, amax)
     low = jnp.min(jnp.where(nonzero, a, jnp.inf), axis=axes, initial=jnp.inf)
-    share = lambda m: count(m).astype(jnp.float32) / max(size, 1)
-    tiny = jnp.asarray(float(info.smallest_normal), wide)
-    half_sub = jnp.asarray(float(info.smallest_subnormal) / 2, wide)
+    share = lambda c: c.astype(jnp.float32) / max(size, 1)
     inv = 1.0 / jnp.asarray(scale, jnp.float32)
     with np.errstate(divide="ignore"):
         log_max = float(np.log2(float(info.max)))
     stats = Stats(
         amax=(amax * inv).astype(jnp.float32),
         min_nonzero=(low * inv).astype(jnp.float32),
-        zero_fraction=share(a == 0),
-        underflow_fraction=share(nonzero & (a < tiny)),
-        flush_fraction=share(nonzero & (a <= half_sub)),
+        zero_fraction=share(zeros),
+        underflow_fraction=share(under),
+        flush_fraction=share(flushed),
         headroom_bits=(log_max - jnp.log2(amax.astype(jnp.float32))),
         nan_count=nan_count,
         inf_count=inf_count,
@@ -535,7 +538,8 @@ def table(metrics: Mapping[str, Any], rows: Mapping[str, list[Row]]
 
 def linen_activations(apply_fn: Callable[..., Any], variables: Mapping[str, Any], *args: Any,
                       mutable: Sequence[str] = (), **kwargs: Any) -> dict[str, Any]:
-    """Every linen module's ``__call__`` output, by ``capture_intermediates``, in the order
+    """Every linen module's ``__call__`` output (but ``nn.Dropout``'s, its input masked), by
+    ``capture_intermediates``, in the order
     the calls finished (a layer after the layers it calls): ``{path: {"__call__": outputs}}``
     for :func:`ordered_leaves`.
 
@@ -558,7 +562,7 @@ def linen_activations(apply_fn: Callable[..., Any], variables: Mapping[str, Any]
     order: list[tuple[str, ...]] = []
 
     def capture(module: Any, method_name: str) -> bool:
-        if method_name != "__call__":
+        if method_name != "__call__" or isinstance(module, nn.Dropout):  # its input, masked
             return False
         path = tuple(module.scope.path) if module.scope is not None else ()
         if path not in order:

@@ -288,3 +288,18 @@ def test_a_resumed_run_drops_the_statistics_logged_after_its_checkpoint(tmp_path
     lines = (tmp_path / "tensor_stats.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [10, 20]
     assert json.loads(lines[0])["grads"]["w"]["amax"] == "NaN"  # strict JSON
+
+
+def test_the_gradient_search_prefers_a_leaf_holding_inf_alone_over_an_earlier_nan():
+    """An overflow in the backward pass leaves inf where it happened and NaN (inf - inf)
+    further down: the leaf with inf alone is named, though 'a' comes first."""
+    c = ts.Collector(every=0)
+    grads = {"a": jnp.array([jnp.nan, 1.0]), "b": jnp.array([1.0, jnp.inf]),
+             "c": jnp.array([jnp.nan, jnp.inf])}
+    m = jax.jit(lambda g: c.step_metrics(step=jnp.int32(1), params={}, grads=g, scale=1.0,
+                                         bad=jnp.bool_(True)))(grads)
+    assert c.explain(jax.device_get(m)) == "inf in the gradient of b (element (1,); 2 more " \
+        "non-finite)"
+    m = jax.jit(lambda g: c.step_metrics(step=jnp.int32(1), params={}, grads=g, scale=1.0,
+                                         bad=jnp.bool_(False)))(grads)
+    assert c.explain(jax.device_get(m)) is None  # a finite step: the search never ran
