@@ -10,10 +10,11 @@ Example:
   'p=full,c=bf16,o=full'
 """
 
-from jamp import fp8, optim_state
+from jamp import fp8, optim_state, tensor_stats
 from jamp.apply import PolicyModule, apply_policy, policy_scope, to_mixed_precision
 from jamp.autocast import autocast
 from jamp.booster import Boosted, boost
+from jamp.inspect import inspect  # the function; `python -m jamp.inspect` is the command
 from jamp.loss_scale import (
     DynamicLossScale,
     LossScaleConfig,
@@ -90,4 +91,6 @@ __all__ = [
     "policy_scope",
     "to_mixed_precision",
     "tree_bytes",
+    "inspect",
+    "tensor_stats",
 ]

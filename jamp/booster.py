@@ -56,6 +56,7 @@ from flax import nnx, struct
 from flax.training import train_state
 
 from jamp import fp8, grad_accum, optim_state, parallel
+from jamp import tensor_stats as tensor_stats_module
 from jamp.apply import PolicyModule, apply_policy
 from jamp.autocast import autocast
 from jamp.parallel import zero
@@ -130,6 +131,9 @@ class _Model:
     """``init(rng, inputs) -> (params, differentiated collections, mutable collections)``"""
     apply: Callable[..., tuple[Any, dict[str, Any]]]
     """``apply(variables, inputs, train, rng, mutable) -> (outputs, new mutable collections)``"""
+    activations: Callable[..., Any] | None = None
+    """``activations(variables, inputs, train, rng, mutable) -> layer outputs`` in call order
+    (:mod:`jamp.tensor_stats`); None: the model does not expose them."""
 
 
 def _train_kwargs(call: Callable) -> Callable[[bool], dict[str, bool]]:
@@ -167,7 +171,13 @@ def _linen(model: nn.Module, mp: MixedPrecision) -> _Model:
                                 **train_kwargs(train))
         return module.apply(variables, inputs, rngs=rngs, **train_kwargs(train)), {}
 
-    return _Model(init, apply)
+    def activations(variables, inputs, train, rng, mutable):
+        rngs = None if rng is None else {"dropout": rng}
+        return tensor_stats_module.linen_activations(module.apply, variables, inputs,
+                                                     rngs=rngs, mutable=list(mutable),
+                                                     **train_kwargs(train))
+
+    return _Model(init, apply, activations)
 
 
 def _nnx(model: nnx.Module, mp: MixedPrecision) -> _Model:
@@ -330,6 +340,7 @@ class Boosted:
     inputs: Callable[[Any], Any]
     targets: Callable[[Any], Any]
     seed: int
+    tensor_stats: tensor_stats_module.Collector | None = None
     _built: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ state
@@ -378,7 +389,8 @@ class Boosted:
                                                                     rng, True),
             mesh=self.mesh, shardings=shardings, plan=plan, accumulate=self.accumulate,
             max_leaves=combined_by_max(abstract),
-            log_num_zeros_in_grad=self.log_num_zeros_in_grad, finish=_keep_model_state)
+            log_num_zeros_in_grad=self.log_num_zeros_in_grad, finish=_keep_model_state,
+            tensor_stats=self._collector())
         if shardings is not None:
             abstract = jax.tree_util.tree_map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
@@ -389,6 +401,59 @@ class Boosted:
         built["init"] = jax.jit(lambda r: nn.unbox(create(r)), out_shardings=shardings)
         self._built.update(built)
         return self._built
+
+    def _collector(self) -> tensor_stats_module.Collector | None:
+        """The statistics collector, with this model's activations (where it has them)."""
+        c = self.tensor_stats
+        if c is None or c.activations is not None or self.model.activations is None:
+            return c
+        if not c.every:  # skip reasons only: the gradient search, no extra forward pass
+            return c
+
+        def activations(state, variables, batch, rng):
+            mutable = getattr(state, "model_state", {})
+            return self.model.activations({**variables, **mutable}, self.inputs(batch), True,
+                                          rng, mutable)
+
+        collector = dataclasses.replace(c, activations=activations)
+        object.__setattr__(self, "tensor_stats", collector)  # rows recorded on this one
+        return collector
+
+    def explain(self, metrics: Mapping[str, Any]) -> str | None:
+        """Why the step of ``metrics`` was skipped (or its loss non-finite), in words; None
+        for a finite step (:func:`jamp.tensor_stats.explain`).
+
+        Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, jamp
+          >>> b = jamp.boost(nn.Dense(1), optax.sgd(0.1), lambda y, t: jnp.mean((y - t) ** 2),
+          ...                "fp16")
+          >>> batch = (jnp.full((4, 2), jnp.inf), jnp.ones((4, 1)))
+          >>> state, m = b.step(b.init(jax.random.key(0), batch), batch)
+          >>> b.explain(jax.device_get(m))
+          'inf in the gradient of bias (element (0,); 1 more non-finite)'
+        """
+        if self.tensor_stats is None:
+            return None
+        shardings = self._built.get("shardings")
+        if shardings is not None:
+            shardings = jax.tree_util.tree_leaves(shardings.params)
+        return self.tensor_stats.explain(metrics, shardings)
+
+    def stats_table(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """``{group: {layer: {statistic: value}}}`` of a step that collected statistics
+        (``metrics["tensor_stats_collected"]``; :func:`jamp.tensor_stats.table`).
+
+        Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, jamp
+          >>> b = jamp.boost(nn.Dense(1), optax.sgd(0.1), lambda y, t: jnp.mean((y - t) ** 2),
+          ...                tensor_stats=1)
+          >>> batch = (jnp.ones((4, 2)), jnp.ones((4, 1)))
+          >>> state, m = b.step(b.init(jax.random.key(0), batch), batch)
+          >>> sorted(b.stats_table(jax.device_get(m)))
+          ['activations', 'grads', 'params']
+        """
+        return tensor_stats_module.table(metrics, {} if self.tensor_stats is None
+                                  else self.tensor_stats.rows)
 
     def _plan(self, abstract: Any, shardings: Any, inputs: Any) -> zero.Plan:
         params = abstract.params
@@ -618,6 +683,7 @@ def assemble_step(
     pipelined: bool = False,
     log_num_zeros_in_grad: bool = False,
     finish: Callable[[Any, Any, dict[str, Any]], tuple[Any, dict[str, Any]]] | None = None,
+    tensor_stats: Any = None,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
     """The jitted train step: the one place jamp assembles one (:func:`boost` and ``jamp.train``).
 
@@ -627,7 +693,8 @@ def assemble_step(
     when ``pipelined``: :func:`jamp.parallel.step.value_and_grad`; one device with
     :func:`jamp.grad_accum.value_and_grad` when ``mesh`` is None), applies the update
     through the state's loss-scaled optimizer (:func:`jamp.step.loss_scaled_step`),
-    then calls ``finish(state_before, state_after, metrics)`` if given. The state is
+    then calls ``finish(state_before, state_after, metrics)`` if given; a ``tensor_stats``
+    :class:`jamp.tensor_stats.Collector` adds per-layer statistics and skip reasons. The state is
     donated; on a mesh it is laid out as ``shardings`` says and the batch over 'data'.
     Call the result under ``jax.set_mesh(mesh)`` and jamp's logical axis rules.
 
@@ -653,7 +720,8 @@ def assemble_step(
     def step(state, batch, rng):
         new, metrics = loss_scaled_step(state, batch, rng,
                                         lambda v, b, r: loss_fn(state, v, b, r), value_and_grad,
-                                        log_num_zeros_in_grad=log_num_zeros_in_grad)
+                                        log_num_zeros_in_grad=log_num_zeros_in_grad,
+                                        tensor_stats=tensor_stats)
         if finish is not None:
             new, metrics = finish(state, new, metrics)
         metrics["skipped"] = ~metrics["grad_finite"]
@@ -680,6 +748,7 @@ def boost(
     params: Any = None,
     init_params: Callable | None = None,
     seed: int = 0,
+    tensor_stats: int | tensor_stats_module.Collector = 0,
 ) -> Boosted:
     """Colossal-AI's ``Booster(...).boost(model, optimizer, criterion)`` for JAX.
 
@@ -715,6 +784,11 @@ def boost(
       params, init_params: a plain function's parameters, or ``init_params(rng,
         inputs)`` making them.
       seed: the default dropout key's seed (folded with the step).
+      tensor_stats: per-layer statistics (:mod:`jamp.tensor_stats`) every this many steps
+        (gradients, parameters and, for linen models, every layer's output), read with
+        :meth:`Boosted.stats_table`; 0: none. Either way a skipped step's gradients are
+        searched for the first non-finite leaf (:meth:`Boosted.explain`). A
+        :class:`jamp.tensor_stats.Collector` sets every detail.
 
     Returns:
       A :class:`Boosted`: ``init(rng, batch)``, ``step(state, batch)``,
@@ -744,6 +818,10 @@ def boost(
                         f"optax.adamw(1e-3); got {type(optimizer).__name__}.")
     adapter = _adapter(model, mp, params, init_params)
     zeros = bool(log_num_zeros_in_grad) or mp.log_num_zeros_in_grad  # the seed's naive key
+    collector = tensor_stats
+    if not isinstance(collector, tensor_stats_module.Collector):
+        collector = tensor_stats_module.Collector(
+            every=collector, compute_dtype=mp.policy.compute_dtype or jnp.float32)
     return Boosted(mp, the_mesh, stage, accumulate, zeros, adapter,
                    make_optimizer(mp, optimizer, seed=seed), loss_fn, _getter(inputs, "inputs"),
-                   _getter(targets, "targets"), seed)
+                   _getter(targets, "targets"), seed, collector)

@@ -114,6 +114,10 @@ FIELDS: dict[str, Field] = {
     "log_num_zeros_in_grad": Field(False, "log the number of exactly-zero gradient elements "
                                    "after unscaling (Megatron/Colossal-AI's "
                                    "log_num_zeros_in_grad) in metrics.jsonl and TensorBoard"),
+    "tensor_stats_every": Field(0, "collect per-layer statistics (amax, underflow, zeros, "
+                                "non-finite counts of gradients, params and layer outputs; "
+                                "jamp.tensor_stats) every N steps into tensor_stats.jsonl and "
+                                "TensorBoard (0: off)", _at_least(0, "100", " (0: off)")),
     "label_smoothing": Field(0.0, "label smoothing in [0, 1) of the train loss (the test loss "
                              "has none, so the train loss cannot fall below a floor > 0)",
                              _in(0, 1, "0.1")),

@@ -65,6 +65,7 @@ class MetricsWriter:
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(_line(r) for r in kept)
             os.replace(self.path + ".tmp", self.path)
+            _drop_after(os.path.join(workdir, "tensor_stats.jsonl"), resume_step)
         try:
             from tensorboardX import SummaryWriter
         except ImportError:  # pragma: no cover - tensorboardX is a dependency
@@ -86,6 +87,46 @@ class MetricsWriter:
         with open(self.path, "a") as f:
             f.write(_line(record))
         self._scalars(record)
+
+    def write_tensor_stats(self, step: int, table: dict[str, dict[str, dict[str, float]]],
+                           **extra: Any) -> None:
+        """Appends ``{"step": s, **extra, group: {layer: {statistic: v}}}`` to
+        ``tensor_stats.jsonl`` (:func:`jamp.tensor_stats.table`); TensorBoard gets each
+        layer's amax and underflow share, each group's worst headroom and non-finite count,
+        and a histogram of log2 amax over the group's layers.
+
+        Example:
+          >>> import tempfile
+          >>> w = MetricsWriter(tempfile.mkdtemp())
+          >>> w.write_tensor_stats(1, {"grads": {"w": {"amax": 2.0, "underflow_fraction": 0.0,
+          ...                      "headroom_bits": 15.0, "nan_count": 0, "inf_count": 0}}})
+          >>> w.close()
+        """
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _py(v) for k, v in extra.items()}, **table}
+        with open(os.path.join(os.path.dirname(self.path), "tensor_stats.jsonl"), "a") as f:
+            f.write(_line(record))
+        if self._tb is None:
+            return
+        import numpy as np
+
+        for group, layers in table.items():
+            amax = [v["amax"] for v in layers.values() if math.isfinite(v["amax"]) and v["amax"]]
+            if amax:
+                self._tb.add_histogram(f"tensor_stats/{group}/log2_amax", np.log2(amax), step)
+            headroom = [v["headroom_bits"] for v in layers.values()
+                        if math.isfinite(v["headroom_bits"])]
+            if headroom:
+                self._tb.add_scalar(f"tensor_stats/{group}/min_headroom_bits", min(headroom),
+                                    step)
+            self._tb.add_scalar(f"tensor_stats/{group}/non_finite", sum(
+                v["nan_count"] + v["inf_count"] for v in layers.values()), step)
+            for name, v in layers.items():
+                for stat in ("amax", "underflow_fraction"):
+                    if math.isfinite(v[stat]):
+                        self._tb.add_scalar(f"tensor_stats/{group}/{stat}/{name}", v[stat], step)
+        self._tb.flush()
 
     def _scalars(self, record: dict[str, Any]) -> None:
         if self._tb is not None:
@@ -130,6 +171,24 @@ class Throughput:
             self.rates.append(rate)
         self.start, self.images = time.perf_counter(), 0
         return rate
+
+
+def _drop_after(path: str, step: int) -> None:
+    """Keeps the rows of the JSONL file ``path`` (if any) logged at or before ``step``."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):  # a line cut short by a killed run
+            continue
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def _py(value: Any) -> Any:

@@ -141,11 +141,12 @@ def summarize(exp: Experiment, state: train_state.TrainState, *, workdir: str, s
 
 
 def diverged(summary: dict[str, Any], exp: Experiment, *, workdir: str, checkpoints: list[int],
-             checkpoint_dir: str, non_finite_at: int | None) -> dict[str, Any]:
+             checkpoint_dir: str, non_finite_at: int | None,
+             non_finite_reason: str | None = None) -> dict[str, Any]:
     """``summary`` of a run the divergence guard stopped at ``summary["steps"]``, with the
     message to raise; ``checkpoints`` are the saved steps up to it, ``non_finite_at`` the
     first step whose loss was NaN/inf in a mode without loss scaling (None: the loss
-    scale diverged).
+    scale diverged), ``non_finite_reason`` what went NaN/inf there (:mod:`jamp.tensor_stats`).
 
     Example: ``tests/test_train.py`` stops runs both ways and reads the summaries.
     """
@@ -162,12 +163,15 @@ def diverged(summary: dict[str, Any], exp: Experiment, *, workdir: str, checkpoi
     if non_finite_at is not None:
         message = (
             f"Training stopped at step {done}: the train loss became non-finite (NaN/inf) at "
-            f"step {non_finite_at}. Mode {exp.precision.name} has no loss scale that skips "
+            f"step {non_finite_at}"
+            + (f" ({non_finite_reason})" if non_finite_reason else "")
+            + f". Mode {exp.precision.name} has no loss scale that skips "
             "such steps, so that update made the parameters non-finite. Lower "
             "--config.learning_rate, check the input data, or add a scale that skips them: "
             f"--config.loss_scale.kind=dynamic. {where} The losses are in "
             f"{os.path.join(workdir, 'metrics.jsonl')}.")
         return {**summary, "non_finite_at_step": non_finite_at,
+                "non_finite_reason": non_finite_reason,
                 "checkpoint_step": checkpoints[-1] if checkpoints else None, "message": message}
     message = (
         f"Training stopped at step {done}: the loss scale sits at its minimum "
@@ -298,6 +302,8 @@ def format_summary(summary: dict[str, Any], memory: MemoryReport) -> str:
         "memory (per device-batch, JAX-level):",
         *("  " + line for line in str(memory).splitlines()),
     ]
+    if summary.get("skip_reasons"):
+        lines.append(f"first skip      {summary['skip_reasons'][0]}")
     if summary.get("plot"):
         lines.append(f"plot            {summary['plot']}")
     return "\n".join(lines)

@@ -312,6 +312,7 @@ def loss_scaled_step(
     value_and_grad: ValueAndGrad = single_device_value_and_grad,
     *,
     log_num_zeros_in_grad: bool = False,
+    tensor_stats: Any = None,
 ) -> tuple[train_state.TrainState, dict[str, Any]]:
     """The step for any loss: scale, differentiate, unscale/check, skip or update.
 
@@ -333,7 +334,9 @@ def loss_scaled_step(
       The new state and metrics: what ``loss_fn`` returned (``loss`` and its
       metrics), loss_scale (used for this step), grad_finite, steps_skipped,
       diverged, grad_norm (of the unscaled gradients) and, with
-      ``log_num_zeros_in_grad``, num_zeros_in_grad (:mod:`jamp.grad_stats`).
+      ``log_num_zeros_in_grad``, num_zeros_in_grad (:mod:`jamp.grad_stats`); with a
+      ``tensor_stats`` :class:`jamp.tensor_stats.Collector`, what it adds (per-layer
+      statistics every N steps, the reason of a skipped or non-finite step).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jamp
@@ -348,6 +351,7 @@ def loss_scaled_step(
     """
     scale = loss_scale(state.opt_state)
     extras = differentiated_variables(state)
+    before = state
 
     def scaled_loss(differentiated, batch, rng):
         params, more = differentiated if extras else (differentiated, {})
@@ -362,10 +366,10 @@ def loss_scaled_step(
     else:
         (_, metrics), (grads, new) = value_and_grad(scaled_loss)((state.params, extras),
                                                                  batch, rng)
-        before = state.opt_state
         state = state.apply_gradients(grads=grads)
         # Not through the optimizer: the state decides (e.g. kept only for an applied step).
-        state = state.after_update(new, before, overflow_stats(state.opt_state).last_finite,
+        state = state.after_update(new, before.opt_state,
+                                   overflow_stats(state.opt_state).last_finite,
                                    loss_scale(state.opt_state) / scale)
     stats = overflow_stats(state.opt_state)
     metrics = dict(metrics, loss_scale=scale, grad_finite=stats.last_finite,
@@ -373,6 +377,15 @@ def loss_scaled_step(
                    grad_norm=grad_stats.global_norm(grads, scale))
     if log_num_zeros_in_grad:
         metrics["num_zeros_in_grad"] = grad_stats.num_zeros(grads, scale)
+    if tensor_stats is not None and tensor_stats.enabled:  # jamp.tensor_stats.Collector
+        forward = None
+        if tensor_stats.activations is not None:
+            variables = {"params": before.params, **extras}
+            forward = lambda: tensor_stats.activations(before, variables, batch, rng)
+        bad = ~stats.last_finite | ~jnp.isfinite(metrics["loss"])
+        metrics.update(tensor_stats.step_metrics(step=before.step, params=before.params,
+                                                 grads=grads, scale=scale, bad=bad,
+                                                 forward=forward))
     return state, metrics
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from flax.training import train_state
 from tqdm import tqdm
 
-from jamp import data, parallel, run_summary
+from jamp import data, parallel, run_summary, tensor_stats
 from jamp.booster import assemble_step, gradient_function
 from jamp.checkpoint import Checkpointer
 from jamp.experiment import (
@@ -94,7 +94,29 @@ def mesh_value_and_grad(exp: Experiment, shardings: Any, plan: zero.Plan | None 
                              pipelined=exp.pipeline is not None)
 
 
-def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None) -> Callable:
+def stats_collector(exp: Experiment) -> tensor_stats.Collector:
+    """The run's :class:`jamp.tensor_stats.Collector`: statistics every
+    ``config.tensor_stats_every`` steps (linen, unpipelined: also every layer's output),
+    and the reason of every skipped or non-finite step.
+
+    Example:
+      >>> from jamp.config import vit_config
+      >>> from jamp.experiment import build_experiment
+      >>> stats_collector(build_experiment(vit_config("fp16"))).every
+      0
+    """
+    c = exp.config
+    activations = None
+    if c.tensor_stats_every and c.framework == "linen" and exp.pipeline is None:
+        activations = lambda state, variables, batch, rng: tensor_stats.linen_activations(
+            state.apply_fn, variables, batch["image"], train=True, rngs={"dropout": rng})
+    return tensor_stats.Collector(
+        every=int(c.tensor_stats_every), compute_dtype=exp.precision.policy.compute_dtype,
+        scanned=("layers",) if c.scan_layers else (), activations=activations)
+
+
+def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None,
+                   collector: tensor_stats.Collector | None = None) -> Callable:
     """``step(state, batch, rng) -> (state, metrics)``: the jitted data/tensor/pipeline step.
 
     Built by :func:`jamp.booster.assemble_step` (the one place jamp assembles a step, as
@@ -103,7 +125,8 @@ def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None) -> Cal
     Call it under ``jax.set_mesh(exp.mesh)`` and ``nn.logical_axis_rules(
     parallel.LOGICAL_AXIS_RULES)``; the state argument is donated. ``abstract`` is the
     state :func:`~jamp.experiment.state_shardings` returned with ``shardings`` (needed
-    for ``config.zero_stage`` > 0; built again when not given).
+    for ``config.zero_stage`` > 0; built again when not given). ``collector``: the
+    statistics and skip reasons (:func:`stats_collector`; None: none).
 
     Example: see the module docstring.
     """
@@ -118,7 +141,7 @@ def jit_train_step(exp: Experiment, shardings: Any, abstract: Any = None) -> Cal
         plan=plan, accumulate=exp.config.grad_accum_steps,
         max_leaves=combined_by_max(shardings),
         param_specs=param_specs(exp, shardings), pipelined=exp.pipeline is not None,
-        log_num_zeros_in_grad=exp.config.log_num_zeros_in_grad)
+        log_num_zeros_in_grad=exp.config.log_num_zeros_in_grad, tensor_stats=collector)
 
 
 # ----------------------------------------------------------------------------- running
@@ -193,6 +216,9 @@ class _Run:
     start: int = 0
     diverged_at: int | None = None  # the step the divergence guard stopped the run at
     non_finite_at: int | None = None  # first step whose loss was NaN/inf (no loss scale)
+    collector: tensor_stats.Collector | None = None  # statistics and skip reasons
+    skip_reasons: list[str] = dataclasses.field(default_factory=list)  # "step N skipped: ..."
+    non_finite_reason: str | None = None  # what went NaN/inf at non_finite_at
 
     def close(self) -> None:
         self.progress.close()  # ends the bar's line: an error printed next starts on its own
@@ -283,9 +309,10 @@ def _start(exp: Experiment, workdir: str) -> tuple[_Run, train_state.TrainState]
         raise
     if is_main and start:
         print(f"Resumed from step {start} ({ckpt.directory}).", file=sys.stderr, flush=True)
-    run = _Run(exp, jit_train_step(exp, shardings, abstract), p_eval, iterator, ckpt, writer,
-               progress_bar(exp, start, enabled=is_main and c.progress),
-               rng, workdir, StopOnSignal(exp.mesh), start)
+    collector = stats_collector(exp)
+    run = _Run(exp, jit_train_step(exp, shardings, abstract, collector), p_eval, iterator, ckpt,
+               writer, progress_bar(exp, start, enabled=is_main and c.progress),
+               rng, workdir, StopOnSignal(exp.mesh), start, collector=collector)
     return run, (init_state(exp, rng, shardings) if state is None else state)
 
 
@@ -367,15 +394,47 @@ def _log(run: _Run, done: int, fetched: list[dict[str, Any]], rate: float | None
     }
     if "num_zeros_in_grad" in fetched[-1]:
         record["train/num_zeros_in_grad"] = int(fetched[-1]["num_zeros_in_grad"])
+    reasons = _skip_reasons(run, done, fetched)
+    if reasons:
+        record["train/skip_reasons"] = reasons
     run.writer.write(done, record)
+    _write_tensor_stats(run, done, fetched)
+    skipped = str(record["train/steps_skipped"])
+    if run.skip_reasons:  # the last one, shortened: the full sentence is in metrics.jsonl
+        last = run.skip_reasons[-1]
+        skipped += f" (last: {last if len(last) <= 90 else last[:87] + '...'})"
     run.progress.set_postfix(loss=f"{record['train/loss']:.3f}",
                              img_s="n/a" if rate is None else f"{rate:.0f}",
                              scale=f"{record['train/loss_scale']:g}",
-                             skipped=record["train/steps_skipped"], refresh=False)
+                             skipped=skipped, refresh=False)
     run.progress.update(len(fetched))
     if any(bool(m["diverged"]) for m in fetched):
         run.diverged_at = done
     _check_finite(run, done, fetched)
+
+
+def _skip_reasons(run: _Run, done: int, fetched: list[dict[str, Any]]) -> list[str]:
+    """"step N skipped: <what went non-finite where>" for each skipped step of ``fetched``
+    (also kept on the run for the progress line and the summary)."""
+    if run.collector is None:
+        return []
+    reasons = []
+    for i, m in enumerate(fetched):
+        if "skip" not in m or not bool(m.get("skipped", False)):
+            continue
+        why = run.collector.explain(m) or "non-finite gradients"
+        reasons.append(f"step {done - len(fetched) + i + 1} skipped: {why}")
+    run.skip_reasons.extend(reasons)
+    return reasons
+
+
+def _write_tensor_stats(run: _Run, done: int, fetched: list[dict[str, Any]]) -> None:
+    """The collected steps' per-layer statistics: tensor_stats.jsonl and TensorBoard."""
+    for i, m in enumerate(fetched):
+        if bool(m.get("tensor_stats_collected", False)) and run.collector is not None:
+            run.writer.write_tensor_stats(done - len(fetched) + i + 1,
+                                          tensor_stats.table(m, run.collector.rows),
+                                          loss_scale=float(m["loss_scale"]))
 
 
 def _check_finite(run: _Run, done: int, fetched: list[dict[str, Any]]) -> None:
@@ -386,6 +445,8 @@ def _check_finite(run: _Run, done: int, fetched: list[dict[str, Any]]) -> None:
     if bad:
         run.non_finite_at = done - len(fetched) + bad[0] + 1
         run.diverged_at = done
+        if run.collector is not None:
+            run.non_finite_reason = run.collector.explain(fetched[bad[0]])
 
 
 def _finish(run: _Run, state: train_state.TrainState, last_eval: dict[str, float]
@@ -410,12 +471,14 @@ def _summary(run: _Run, state: train_state.TrainState, last_eval: dict[str, floa
     summary = run_summary.summarize(run.exp, state, workdir=run.workdir, start=run.start,
                                     steps=run.exp.total_steps if stop is None else stop,
                                     last_eval=last_eval, rates=rates)
+    if run.skip_reasons:  # the first 20 of this run (metrics.jsonl has them all)
+        summary["skip_reasons"] = run.skip_reasons[:20]
     if stop is None:
         return summary
     return run_summary.diverged(
         summary, run.exp, workdir=run.workdir, checkpoint_dir=run.ckpt.directory,
         checkpoints=[s for s in run.ckpt.all_steps() if s <= stop],
-        non_finite_at=run.non_finite_at)
+        non_finite_at=run.non_finite_at, non_finite_reason=run.non_finite_reason)
 
 
 # `python -m jamp.train` is the jamp.train command. jamp.cli (the one entry point) imports

@@ -53,7 +53,7 @@ def test_defaults_help_and_limits_come_from_the_table(monkeypatch):
 
 def test_every_limited_field_is_range_checked_with_its_requirement():
     limited = {key: field for key, field in FIELDS.items() if field.limits}
-    assert len(limited) == 26  # grad_accum_steps included
+    assert len(limited) == 27  # grad_accum_steps and tensor_stats_every included
     for key, field in limited.items():
         config = vit_config("fp16")
         assert not field.limits.test(-1), key  # every limit refuses -1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -390,6 +391,11 @@ def test_divergence_guard_stops_and_leaves_summary_plot_and_json(tmp_path, monke
     assert summary["checkpoint_step"] is None and not os.listdir(tmp_path / "checkpoints")
     assert "No checkpoint was written" in str(e.value) and "last good" not in str(e.value)
     assert "NaN or Inf" not in caplog.text + "".join(capfd.readouterr())
+    # Every skipped step says why: NaN images make every gradient NaN; the first leaf is named.
+    reasons = [r for row in rows for r in row.get("train/skip_reasons", [])]
+    assert len(reasons) == rows[-1]["step"]
+    assert reasons[0].startswith("step 1 skipped: NaN in the gradient of "), reasons[0]
+    assert summary["skip_reasons"][0] == reasons[0]
 
 
 def test_nan_loss_without_a_loss_scale_stops_before_saving_a_poisoned_checkpoint(
@@ -423,9 +429,40 @@ def test_nan_loss_without_a_loss_scale_stops_before_saving_a_poisoned_checkpoint
     assert summary["outcome"] == "diverged" and summary["non_finite_at_step"] == 8
     assert summary["steps"] == 8 and summary["checkpoint_step"] == 4
     assert summary["loss_scale_kind"] == "none"
+    assert summary["non_finite_reason"].startswith("NaN in the gradient of ")
+    assert f"at step 8 ({summary['non_finite_reason']})" in str(e.value)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]  # step 8's state not saved
     rows = [_strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [5]  # finite; 6-8 never logged
+
+
+def test_tensor_stats_and_skip_reasons_reach_metrics_tensorboard_and_summary(tmp_path):
+    """fp16 from a loss scale of 2**24: the first steps overflow in the backward pass and are
+    skipped, each with the gradient that went inf; statistics every 2 steps name every
+    scanned layer's params, gradients and outputs."""
+    from jamp import train
+
+    config = _tiny_config(max_steps=4, tensor_stats_every=2, plot=False, log_every_steps=4)
+    config.loss_scale.init_scale = 2.0 ** 24  # the largest allowed
+    summary = train.train_and_evaluate(config, tmp_path)
+    rows = [_strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    reasons = [r for row in rows for r in row.get("train/skip_reasons", [])]
+    assert re.fullmatch(r"step 1 skipped: (inf|NaN) in the gradient of \S+ \(element .*\)",
+                        reasons[0]), reasons
+    # Where the scaled loss first overflows in the backward pass: the head, the first layer it
+    # reaches (the search prefers a leaf holding inf alone: NaN is inf - inf, downstream).
+    assert any(" skipped: inf in the gradient of head/" in r for r in reasons), reasons
+    assert len(reasons) == summary["steps_skipped"] and summary["skip_reasons"] == reasons
+    stats = [_strict_json(line)
+             for line in (tmp_path / "tensor_stats.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in stats] == [1, 3]
+    assert "encoder/layers/0/MlpBlock_0/Dense_0/kernel" in stats[0]["grads"]
+    assert "encoder/layers/0/MlpBlock_0/Dense_0" in stats[0]["activations"]
+    assert stats[0]["grads"]["encoder/layers/0/MlpBlock_0/Dense_0/kernel"]["amax"] == "NaN" or \
+        stats[0]["grads"]["encoder/layers/0/MlpBlock_0/Dense_0/kernel"]["inf_count"] > 0
+    events = b"".join((tmp_path / "tensorboard" / name).read_bytes() for name in _events(tmp_path))
+    assert b"tensor_stats/params/log2_amax" in events  # a histogram
+    assert b"tensor_stats/activations/amax/encoder/layers/0/MlpBlock_0/Dense_0" in events
 
 
 class _Iterable:

@@ -1,0 +1,581 @@
+"""Per-layer statistics inside the jitted step, and why a step was skipped.
+
+Two things, both computed on global arrays under ``jax.jit`` (outside ``shard_map``), so a
+leaf split over a mesh is reduced exactly once and a replicated leaf is not counted once
+per device:
+
+* **Statistics** of every gradient, every parameter and (where the model lets us, see
+  :func:`linen_activations`) every layer's output: :data:`STATISTICS`. A
+  :class:`Collector` gathers them every ``every`` steps under a ``lax.cond``; with
+  ``every=0`` the step gains no operation at all.
+* **The reason for a skip**: on a step whose gradients (or loss) are not finite, a
+  second ``lax.cond`` searches the gradients for the first non-finite leaf (inf vs NaN,
+  and the element) and, given the activations, the first layer whose forward output was
+  non-finite or above the compute dtype's maximum. A finite step runs none of it.
+
+Exactness: NaN is counted (``nan_count``), never left to a max: ``amax`` is the max of
+the magnitudes with NaN set aside, then NaN if the leaf holds any NaN, so neither XLA's
+max nor a collective's can drop it. Counts are int32 sums.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from jamp import tensor_stats
+  >>> s = tensor_stats.array_stats(jnp.array([0.0, 1e-6, 3.0, jnp.inf]), jnp.float16)
+  >>> float(s.amax[0]), float(s.zero_fraction[0]), float(s.underflow_fraction[0])
+  (inf, 0.25, 0.25)
+  >>> int(s.inf_count[0]), int(s.nan_count[0])
+  (1, 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["GROUPS", "STATISTICS", "Collector", "Row", "Stats", "array_stats",
+           "check_groups", "check_statistic", "explain", "linen_activations", "named_leaves",
+           "ordered_leaves", "table", "tree_stats"]
+
+STATISTICS = ("amax", "min_nonzero", "zero_fraction", "underflow_fraction", "flush_fraction",
+              "headroom_bits", "nan_count", "inf_count")
+"""What :func:`array_stats` computes per row (a leaf, or one layer of a scanned leaf):
+
+* ``amax``: the largest magnitude (unscaled gradients); NaN if any element is NaN.
+* ``min_nonzero``: the smallest non-zero finite magnitude (inf if there is none).
+* ``zero_fraction``: the share of elements exactly zero.
+* ``underflow_fraction``: the share of non-zero finite elements below the dtype's smallest
+  normal (they become subnormal or zero in it; gradients at the current loss scale).
+* ``flush_fraction``: the share of non-zero finite elements that round to zero in the dtype.
+* ``headroom_bits``: ``log2(dtype max / amax)`` (gradients: of the scaled values, so how
+  far the loss scale could still grow); negative: overflow.
+* ``nan_count``, ``inf_count``: int32 counts of NaN and of +-inf elements.
+"""
+
+GROUPS = ("grads", "params", "activations")
+"""The tensors a :class:`Collector` can look at."""
+
+
+class Stats(NamedTuple):
+    """:data:`STATISTICS`, each an array with one entry per row."""
+
+    amax: jax.Array
+    min_nonzero: jax.Array
+    zero_fraction: jax.Array
+    underflow_fraction: jax.Array
+    flush_fraction: jax.Array
+    headroom_bits: jax.Array
+    nan_count: jax.Array
+    inf_count: jax.Array
+
+
+class Row(NamedTuple):
+    """One row of a group's statistics: a leaf, or layer ``index`` of a scanned leaf."""
+
+    name: str  # e.g. "Encoder/layers/3/MlpBlock_0/Dense_1/kernel"
+    leaf: int  # the leaf's position among the group's floating leaves
+    index: int | None  # the layer of a scanned leaf (its axis 0), else None
+    shape: tuple[int, ...]  # the whole leaf's shape
+
+
+def check_statistic(name: str) -> str:
+    """``name`` if it is one of :data:`STATISTICS`, else a ValueError naming them.
+
+    Example:
+      >>> check_statistic("amax")
+      'amax'
+    """
+    if name not in STATISTICS:
+        raise ValueError(f"Unknown statistic {name!r}: use one of {', '.join(STATISTICS)}.")
+    return name
+
+
+def check_groups(groups: str | Sequence[str]) -> tuple[str, ...]:
+    """``groups`` (a comma-separated string or a sequence) as a tuple, each one of :data:`GROUPS`.
+
+    Example:
+      >>> check_groups("grads,params")
+      ('grads', 'params')
+    """
+    if isinstance(groups, str):
+        groups = [g.strip() for g in groups.split(",") if g.strip()]
+    groups = tuple(groups)
+    bad = [g for g in groups if g not in GROUPS]
+    if bad or not groups:
+        raise ValueError(f"Unknown tensor statistics group(s) {bad or groups!r}: use a "
+                         f"comma-separated subset of {','.join(GROUPS)}.")
+    return groups
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def array_stats(x: jax.Array, dtype: Any = None, scale: jax.Array | float = 1.0,
+                split: bool = False) -> Stats:
+    """:data:`STATISTICS` of ``x`` against ``dtype`` (default: ``x``'s own); one row, or one
+    per index of axis 0 with ``split`` (a scanned leaf's layers).
+
+    ``scale``: ``x`` holds values multiplied by it (scaled gradients): ``amax`` and
+    ``min_nonzero`` are divided by it, the fractions and the headroom are of ``x`` itself.
+    An empty ``x`` has amax 0, min_nonzero inf and every share 0.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> s = array_stats(jnp.array([[1.0, 0.0], [jnp.nan, 2.0]]), split=True)
+      >>> s.amax.tolist(), s.nan_count.tolist(), s.zero_fraction.tolist()
+      ([1.0, nan], [0, 1], [0.5, 0.0])
+    """
+    x = jnp.asarray(x)
+    info = jnp.finfo(x.dtype if dtype is None else dtype)
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    a = jnp.abs(x.astype(wide))  # no reshape: a sharded leaf keeps its layout
+    axes = tuple(range(1 if split else 0, a.ndim))
+    size = math.prod(a.shape[1:] if split else a.shape)
+    nan, inf = jnp.isnan(a), jnp.isinf(a)
+    nonzero = (a != 0) & ~nan & ~inf
+    tiny = jnp.asarray(float(info.smallest_normal), wide)
+    half_sub = jnp.asarray(float(info.smallest_subnormal) / 2, wide)
+    count = lambda m: jnp.sum(m, axis=axes, dtype=jnp.int32)  # int32: exact past 2**24
+    zeros, under, flushed = count(a == 0), count(nonzero & (a < tiny)), count(
+        nonzero & (a <= half_sub))
+    nan_count, inf_count = count(nan), count(inf)
+    amax = jnp.max(jnp.where(nan, 0, a), axis=axes, initial=0)
+    amax = jnp.where(nan_count > 0, jnp.nan, amax)
+    low = jnp.min(jnp.where(nonzero, a, jnp.inf), axis=axes, initial=jnp.inf)
+    share = lambda c: c.astype(jnp.float32) / max(size, 1)
+    inv = 1.0 / jnp.asarray(scale, jnp.float32)
+    with np.errstate(divide="ignore"):
+        log_max = float(np.log2(float(info.max)))
+    stats = Stats(
+        amax=(amax * inv).astype(jnp.float32),
+        min_nonzero=(low * inv).astype(jnp.float32),
+        zero_fraction=share(zeros),
+        underflow_fraction=share(under),
+        flush_fraction=share(flushed),
+        headroom_bits=(log_max - jnp.log2(amax.astype(jnp.float32))),
+        nan_count=nan_count,
+        inf_count=inf_count,
+    )
+    return stats if split else Stats(*(jnp.reshape(v, (1,)) for v in stats))
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def named_leaves(tree: Any) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` of ``tree``'s floating leaves in JAX's order, paths joined by '/'
+    (a box's ``value`` left out).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> [n for n, _ in named_leaves({"b": {"kernel": jnp.ones(1)}, "a": jnp.ones(1)})]
+      ['a', 'b/kernel']
+    """
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            continue
+        parts = [_key_name(k) for k in path]
+        if parts and parts[-1] == "value" and len(path) and hasattr(path[-1], "name"):
+            parts = parts[:-1]
+        out.append(("/".join(parts), leaf))
+    return out
+
+
+def ordered_leaves(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` of the floating leaves in the order the mappings hold them (the
+    order flax records layer outputs in: a layer after the layers it calls), not sorted.
+
+    A linen ``capture_intermediates`` path ``Dense_0/__call__/0`` is named ``Dense_0``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> t = {"b": {"__call__": (jnp.ones(1),)}, "a": {"__call__": (jnp.ones(1),)}}
+      >>> [n for n, _ in ordered_leaves(t)]
+      ['b', 'a']
+    """
+    if isinstance(tree, Mapping):
+        items = [(str(k), v) for k, v in tree.items()]
+    elif isinstance(tree, list | tuple):
+        items = [(str(i), v) for i, v in enumerate(tree)]
+    elif tree is None:
+        return []
+    else:
+        if hasattr(tree, "dtype") and jnp.issubdtype(tree.dtype, jnp.inexact):
+            return [(_layer_name(prefix), tree)]
+        return []
+    out = []
+    for k, v in items:
+        out.extend(ordered_leaves(v, (*prefix, k)))
+    return out
+
+
+def _layer_name(parts: tuple[str, ...]) -> str:
+    if "__call__" not in parts:
+        return "/".join(parts) or "(output)"
+    i = parts.index("__call__")
+    call, *rest = parts[i + 1:] or ("0",)
+    while rest and rest[-1] == "0":  # (x, None) outputs: the first element
+        rest = rest[:-1]
+    name = "/".join(parts[:i]) or "(output)"  # the model's own output: the root's call
+    return name + ("" if call == "0" else f"#{call}") + "".join(f"[{p}]" for p in rest)
+
+
+def _rows(named: list[tuple[str, Any]], scanned: Sequence[str]) -> list[Row]:
+    rows = []
+    for i, (name, leaf) in enumerate(named):
+        parts = name.split("/")
+        at = next((j for j, p in enumerate(parts) if p in scanned), None)
+        shape = tuple(jnp.shape(leaf))
+        if at is None or not shape:
+            rows.append(Row(name, i, None, shape))
+            continue
+        for layer in range(shape[0]):
+            rows.append(Row("/".join([*parts[:at + 1], str(layer), *parts[at + 1:]]), i, layer,
+                            shape))
+    return rows
+
+
+def tree_stats(named: list[tuple[str, Any]], dtype: Any = None, scale: Any = 1.0,
+               scanned: Sequence[str] = ()) -> tuple[Stats, list[Row]]:
+    """:func:`array_stats` of every leaf of ``named`` (:func:`named_leaves` or
+    :func:`ordered_leaves`) concatenated into one :class:`Stats`, with its rows.
+
+    A leaf under a path component in ``scanned`` (e.g. ``"layers"``, an ``nn.scan``'s
+    name) stacks its layers on axis 0: one row per layer, named with the layer's index.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> stats, rows = tree_stats(named_leaves({"layers": {"w": jnp.ones((2, 3))}}),
+      ...                          scanned=("layers",))
+      >>> [r.name for r in rows], stats.amax.tolist()
+      (['layers/0/w', 'layers/1/w'], [1.0, 1.0])
+    """
+    rows = _rows(named, scanned)
+    parts = []
+    for i, (_, leaf) in enumerate(named):
+        split = any(r.leaf == i and r.index is not None for r in rows)
+        parts.append(array_stats(leaf, dtype, scale, split=split))
+    if not parts:
+        empty = jnp.zeros((0,), jnp.float32)
+        return Stats(*([empty] * 6), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32)), []
+    return Stats(*(jnp.concatenate(column) for column in zip(*parts, strict=True))), rows
+
+
+# ----------------------------------------------------------------------------- skips
+
+
+def _first_bad(named: list[tuple[str, Any]], rows: list[Row], order: list[int],
+               limit: float | None = None, prefer_inf: bool = False) -> dict[str, jax.Array]:
+    """The first row (in ``order``) holding inf or NaN (or a magnitude above ``limit``);
+    with ``prefer_inf`` the first holding inf and no NaN if there is one (an overflow in
+    the backward pass spreads as NaN, inf - inf, to the leaves computed after it)."""
+    kinds, amaxes = [], []
+    for i, (_, leaf) in enumerate(named):
+        split = any(r.leaf == i and r.index is not None for r in rows)
+        s = array_stats(leaf, split=split)
+        kind = (s.inf_count > 0).astype(jnp.int32) + 2 * (s.nan_count > 0).astype(jnp.int32)
+        if limit is not None:
+            kind = kind + 4 * (jnp.nan_to_num(s.amax, nan=0.0) > limit).astype(jnp.int32)
+        kinds.append(kind)
+        amaxes.append(s.amax)
+    kinds_all = jnp.concatenate(kinds)[jnp.asarray(order, jnp.int32)]
+    amax_all = jnp.concatenate(amaxes)[jnp.asarray(order, jnp.int32)]
+    flags = kinds_all > 0
+    pos = jnp.argmax(flags)
+    if prefer_inf:
+        inf_only = kinds_all == 1
+        pos = jnp.where(jnp.any(inf_only), jnp.argmax(inf_only), pos)
+    any_bad = jnp.any(flags)
+    row = jnp.where(any_bad, jnp.asarray(order, jnp.int32)[pos], -1)
+    # The first non-finite element of each leaf (flat index in the whole leaf).
+    leaf_of_row = jnp.asarray([r.leaf for r in rows] or [0], jnp.int32)
+    elements = jnp.stack([jnp.argmax(~jnp.isfinite(jnp.ravel(leaf))).astype(jnp.int32)
+                          if jnp.size(leaf) else jnp.zeros((), jnp.int32)
+                          for _, leaf in named]) if named else jnp.zeros((1,), jnp.int32)
+    element = elements[leaf_of_row[jnp.maximum(row, 0)]]
+    return {"row": row, "kind": jnp.where(any_bad, kinds_all[pos], 0),
+            "count": jnp.sum(flags, dtype=jnp.int32), "element": jnp.where(any_bad, element, -1),
+            "amax": jnp.where(any_bad, amax_all[pos], 0.0)}
+
+
+def _forward_order(rows: list[Row], scanned_prefix: Callable[[str], str | None]) -> list[int]:
+    """Rows in the order the forward pass produced them: a scanned group's rows at its
+    first leaf, layer by layer."""
+    first: dict[str, int] = {}
+    keys = []
+    for r_i, r in enumerate(rows):
+        group = scanned_prefix(r.name) if r.index is not None else None
+        if group is not None:
+            at = first.setdefault(group, r.leaf)
+            keys.append(((at, r.index, r.leaf), r_i))
+        else:
+            keys.append(((r.leaf, -1, r.leaf), r_i))
+    return [i for _, i in sorted(keys)]
+
+
+# ----------------------------------------------------------------------------- collector
+
+
+def _scanned_prefix(scanned: Sequence[str]) -> Callable[[str], str | None]:
+    def prefix(name: str) -> str | None:
+        parts = name.split("/")
+        at = next((j for j, p in enumerate(parts) if p in scanned), None)
+        return None if at is None else "/".join(parts[:at + 1])
+    return prefix
+
+
+@dataclasses.dataclass(frozen=True)
+class Collector:
+    """What the step gathers: statistics every ``every`` steps, and the reason of a skip.
+
+    Give it to :func:`jamp.step.loss_scaled_step` (or :func:`jamp.booster.assemble_step`,
+    ``jamp.boost(tensor_stats_every=...)``, the trainer's ``--config.tensor_stats_every``).
+    The step's metrics then hold ``tensor_stats`` (``{group: Stats}``, filled on collected
+    steps) and ``tensor_stats_collected``; with ``explain_skips`` also ``skip`` (the search's
+    result; :meth:`explain` turns it into a sentence). The rows' names are recorded here
+    when the step is traced.
+
+    Attributes:
+      every: collect on steps whose number is a multiple of it; 0: never (no op added).
+      groups: which of :data:`GROUPS` to collect.
+      compute_dtype: the dtype the shares and headroom are measured against.
+      scanned: path components of ``nn.scan``-stacked modules (axis 0 is the layer).
+      explain_skips: search a skipped step's gradients (and activations) for the culprit.
+      activations: ``activations(state, variables, batch, rng) -> tree`` of layer outputs
+        in the order they were computed (:func:`linen_activations`); None: no activations.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> c = Collector(every=1, groups=("grads",))
+      >>> m = jax.jit(lambda g: c.step_metrics(step=jnp.int32(0), params={}, grads=g,
+      ...             scale=1.0, bad=~jnp.isfinite(g["w"]).all()))({"w": jnp.array([1.0, jnp.nan])})
+      >>> explain(jax.device_get(m), c.rows)
+      'NaN in the gradient of w (element (1,))'
+    """
+
+    every: int = 0
+    groups: tuple[str, ...] = GROUPS
+    compute_dtype: Any = jnp.float16
+    scanned: tuple[str, ...] = ()
+    explain_skips: bool = True
+    activations: Callable[..., Any] | None = None
+    rows: dict[str, list[Row]] = dataclasses.field(default_factory=dict, compare=False,
+                                                   repr=False)
+
+    def __post_init__(self):
+        if not isinstance(self.every, int | np.integer) or isinstance(self.every, bool) \
+                or self.every < 0:
+            raise ValueError(f"tensor statistics every={self.every!r}: use a whole number of "
+                             "steps >= 1 (0: off), e.g. every=100.")
+        object.__setattr__(self, "groups", check_groups(self.groups))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the step gains anything at all."""
+        return bool(self.every) or self.explain_skips
+
+    def _named(self, group: str, tree: Any) -> list[tuple[str, Any]]:
+        return ordered_leaves(tree) if group == "activations" else named_leaves(tree)
+
+    def step_metrics(self, *, step: jax.Array, params: Any, grads: Any, scale: Any,
+                     bad: jax.Array, forward: Callable[[], Any] | None = None
+                     ) -> dict[str, Any]:
+        """The metrics this collector adds to a step (call it under ``jit``).
+
+        Args:
+          step: the step number (``state.step`` before the update).
+          params: the parameters the gradients are of.
+          grads: the gradients as differentiated (multiplied by ``scale``).
+          scale: the loss scale of this step.
+          bad: whether the step is skipped (or its loss non-finite): the search's predicate.
+          forward: ``forward() -> tree`` of layer outputs (None: no activations).
+        """
+        out: dict[str, Any] = {}
+        forward = forward if self.activations is not None else None
+        if self.every:
+            def collect(_):
+                result = {}
+                trees = {"grads": (grads, scale), "params": (params, 1.0)}
+                for group in self.groups:
+                    if group == "activations":
+                        if forward is None:
+                            continue
+                        tree, s = forward(), 1.0
+                    else:
+                        tree, s = trees[group]
+                    result[group], self.rows[group] = tree_stats(
+                        self._named(group, tree), self.compute_dtype, s, self.scanned)
+                return result
+
+            shapes = jax.eval_shape(collect, None)
+            empty = lambda _: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                                     shapes)
+            collected = step % self.every == 0
+            out["tensor_stats"] = jax.lax.cond(collected, collect, empty, None)
+            out["tensor_stats_collected"] = collected
+        if self.explain_skips:
+            limit = float(jnp.finfo(self.compute_dtype).max)
+
+            def search(_):
+                named = named_leaves(grads)
+                rows = _rows(named, self.scanned)
+                self.rows.setdefault("grads", rows)
+                result = {"grads": _first_bad(named, rows, list(range(len(rows))),
+                                              prefer_inf=True)}
+                if forward is not None:
+                    named = ordered_leaves(forward())
+                    rows = _rows(named, self.scanned)
+                    self.rows["activations"] = rows
+                    order = _forward_order(rows, _scanned_prefix(self.scanned))
+                    result["activations"] = _first_bad(named, rows, order, limit)
+                return result
+
+            shapes = jax.eval_shape(search, None)
+            none = lambda _: jax.tree_util.tree_map(
+                lambda a: jnp.full(a.shape, -1 if a.dtype == jnp.int32 else 0, a.dtype), shapes)
+            out["skip"] = jax.lax.cond(bad, search, none, None)
+        return out
+
+    def explain(self, metrics: Mapping[str, Any], shardings: Sequence[Any] | None = None
+                ) -> str | None:
+        """:func:`explain` with this collector's rows."""
+        return explain(metrics, self.rows, shardings, self.compute_dtype)
+
+
+_KINDS = {1: "inf", 2: "NaN", 3: "inf and NaN"}
+
+
+def _devices(sharding: Any, shape: tuple[int, ...], index: tuple[int, ...]) -> str:
+    try:
+        where = sharding.devices_indices_map(shape)
+    except (AttributeError, TypeError, ValueError):
+        return ""
+    held = sorted(d.id for d, slices in where.items()
+                  if all(s.start is None or s.start <= i < (s.stop or n) for s, i, n
+                         in zip(slices, index, shape, strict=True)))
+    if not held or len(held) == len(where):  # one device, or every device holds it
+        return ""
+    return f", on device{'s' if len(held) > 1 else ''} {','.join(map(str, held))}"
+
+
+def explain(metrics: Mapping[str, Any], rows: Mapping[str, list[Row]],
+            shardings: Sequence[Any] | None = None, compute_dtype: Any = jnp.float16
+            ) -> str | None:
+    """Why a step was skipped, in words, from its fetched ``metrics["skip"]``; None if the
+    step's search found nothing (a finite step).
+
+    ``rows``: the collector's (:attr:`Collector.rows`); ``shardings``: the gradient leaves'
+    shardings, in leaf order, to name the devices holding the first bad element.
+
+    Example: see :class:`Collector`.
+    """
+    skip = metrics.get("skip")
+    if skip is None:
+        return None
+    parts = []
+    g = skip.get("grads")
+    if g is not None and int(g["row"]) >= 0 and rows.get("grads"):
+        row = rows["grads"][int(g["row"])]
+        what = f"{_KINDS.get(int(g['kind']) & 3, 'non-finite')} in the gradient of {row.name}"
+        element = int(g["element"])
+        if row.shape and 0 <= element < math.prod(row.shape):
+            index = tuple(int(i) for i in np.unravel_index(element, row.shape))
+            where = "" if shardings is None else _devices(shardings[row.leaf], row.shape, index)
+            what += f" (element {index}{where}"
+            what += (f"; {int(g['count']) - 1} more non-finite)" if int(g["count"]) > 1
+                     else ")")
+        parts.append(what)
+    a = skip.get("activations")
+    if a is not None and int(a["row"]) >= 0 and rows.get("activations"):
+        row = rows["activations"][int(a["row"])]
+        kind, amax = int(a["kind"]), float(a["amax"])
+        limit = float(jnp.finfo(compute_dtype).max)
+        if kind & 3:
+            what = f"forward: {_KINDS[kind & 3]} in the output of {row.name}"
+        else:
+            what = f"forward amax {amax:.3g} > {limit:g} at {row.name}"
+        parts.append(what)
+    if not parts:
+        return None
+    return "; ".join(parts)
+
+
+def table(metrics: Mapping[str, Any], rows: Mapping[str, list[Row]]
+          ) -> dict[str, dict[str, dict[str, float]]]:
+    """``{group: {row name: {statistic: value}}}`` of a collected step's fetched metrics.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> c = Collector(every=1, groups=("params",), explain_skips=False)
+      >>> m = c.step_metrics(step=jnp.int32(0), params={"w": jnp.ones(2)}, grads={},
+      ...                    scale=1.0, bad=jnp.bool_(False))
+      >>> table(jax.device_get(m), c.rows)["params"]["w"]["amax"]
+      1.0
+    """
+    out = {}
+    for group, stats in metrics.get("tensor_stats", {}).items():
+        names = [r.name for r in rows.get(group, [])]
+        columns = {k: np.asarray(v) for k, v in stats._asdict().items()} \
+            if hasattr(stats, "_asdict") else {k: np.asarray(v) for k, v in stats.items()}
+        out[group] = {n: {k: (int(c[i]) if k.endswith("_count") else float(c[i]))
+                          for k, c in columns.items()} for i, n in enumerate(names)}
+    return out
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def linen_activations(apply_fn: Callable[..., Any], variables: Mapping[str, Any], *args: Any,
+                      mutable: Sequence[str] = (), **kwargs: Any) -> dict[str, Any]:
+    """Every linen module's ``__call__`` output (but ``nn.Dropout``'s, its input masked), by
+    ``capture_intermediates``, in the order
+    the calls finished (a layer after the layers it calls): ``{path: {"__call__": outputs}}``
+    for :func:`ordered_leaves`.
+
+    ``apply_fn`` is a linen ``Module.apply`` (e.g. a ``jamp.apply_policy`` model's);
+    ``args``/``kwargs`` go to it; ``mutable``: collections the call updates (batch stats).
+    The order is recorded as the calls finish: flax's collections (and JAX's trees) sort
+    their keys, which is not the order of the forward pass.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> class Net(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):  # "b" runs first
+      ...         return nn.Dense(1, name="a")(nn.Dense(2, name="b")(x))
+      >>> m = Net()
+      >>> v = m.init(jax.random.key(0), jnp.ones((1, 3)))
+      >>> [n for n, _ in ordered_leaves(linen_activations(m.apply, v, jnp.ones((1, 3))))]
+      ['b', 'a', '(output)']
+    """
+    order: list[tuple[str, ...]] = []
+
+    def capture(module: Any, method_name: str) -> bool:
+        if method_name != "__call__" or isinstance(module, nn.Dropout):  # its input, masked
+            return False
+        path = tuple(module.scope.path) if module.scope is not None else ()
+        if path not in order:
+            order.append(path)
+        return True
+
+    _, captured = apply_fn(dict(variables), *args, capture_intermediates=capture,
+                           mutable=[*mutable, "intermediates"], **kwargs)
+    tree, out = captured["intermediates"], {}
+    for path in order:
+        node = tree
+        for part in path:
+            node = node.get(part, {}) if isinstance(node, Mapping) else {}
+        if isinstance(node, Mapping) and "__call__" in node:
+            out["/".join(path)] = {"__call__": node["__call__"]}
+    return out
