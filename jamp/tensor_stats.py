@@ -475,7 +475,7 @@ def explain(metrics: Mapping[str, Any], rows: Mapping[str, list[Row]],
     """Why a step was skipped, in words, from its fetched ``metrics["skip"]``; None if the
     step's search found nothing (a finite step).
 
-    ``rows``: the collector's (:attr:`Collector.rows`); ``shardings``: the gradient leaves'
+    ``rows``: the collector's (its ``rows`` field); ``shardings``: the gradient leaves'
     shardings, in leaf order, to name the devices holding the first bad element.
 
     Example: see :class:`Collector`.
