@@ -1,0 +1,216 @@
+"""Is fp16's accuracy gap on the embedded digits noise, or precision lost in the fp16 step?
+
+Two controlled experiments on the recipe of ``python -m benchmarks.accuracy``
+(``jamp.config.vit_config(mode)``, linen, one seed):
+
+1. **Trajectories.** fp32, fp16 and bf16 train from the same initial weights on the same
+   batches in the same order (the trainer's own jitted step, :func:`jamp.train.jit_train_step`,
+   and data loader), ``--steps`` steps (the recipe's 1,100 by default). Per step: the loss,
+   the loss scale, whether the step was skipped; at the end the test loss and accuracy.
+2. **Gradients.** At the fp32 run's parameters at ``--probes`` steps (and that step's batch),
+   the gradient of the loss in each mode, as the step computes it (the mode's model, the loss
+   scaled by the mode's loss scale, then unscaled), against fp32's: relative error
+   ``|g - g32| / |g32|``, cosine, and the share of elements that are zero in the mode's
+   gradient but not in fp32's (underflow). fp16 is probed at the scale its own run had at
+   that step, and at 1 and 2**24 to see how the error moves with the scale.
+
+Usage::
+
+  python -m benchmarks.fp16_gap                       # ~4 min alone on 2 CPU cores
+  python -m benchmarks.fp16_gap --steps 200 --probes 0,100 --no-write   # quicker
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+from jamp import data, experiment, parallel
+from jamp.config import vit_config
+from jamp.step import classification_loss, eval_step
+from jamp.train import jit_train_step
+
+MODES = ("fp32", "fp16", "bf16")
+
+
+def _batch(exp: experiment.Experiment, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    sharding = parallel.batch_sharding(exp.mesh)
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def trajectory(mode: str, seed: int, steps: int | None, probes: list[int]) -> dict[str, Any]:
+    """One run of the trainer's step and data: per-step loss, scale and skip; test metrics;
+    the parameters and batch at each probe step (before that step's update)."""
+    config = vit_config(mode)
+    config.update_from_flattened_dict(dict(seed=seed, progress=False))
+    exp = experiment.build_experiment(config)
+    rng = jax.random.key(seed)
+    with jax.set_mesh(exp.mesh):
+        abstract, shardings = experiment.state_shardings(exp, rng)
+        state = experiment.init_state(exp, rng, shardings)
+        step_fn = jit_train_step(exp, shardings, abstract)
+        p_eval = jax.jit(eval_step, in_shardings=(shardings, parallel.batch_sharding(exp.mesh)))
+    loader = iter(data.train_loader(
+        exp.info, data_dir=config.data_dir, image_size=config.image_size,
+        global_batch_size=config.batch_size, seed=seed, augment=config.augment,
+        process_index=0, process_count=1, worker_count=0))
+    total = exp.total_steps if steps is None else min(steps, exp.total_steps)
+    out: dict[str, Any] = dict(mode=mode, loss=[], loss_scale=[], finite=[], probes={})
+    with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+        for i in range(total):
+            batch = _batch(exp, next(loader))
+            if i in probes:
+                out["probes"][i] = (jax.device_get(state.params), jax.device_get(batch))
+            state, m = step_fn(state, batch, jax.random.fold_in(rng, i))
+            m = jax.device_get(m)
+            out["loss"].append(float(m["loss"]))
+            out["loss_scale"].append(float(m["loss_scale"]))
+            out["finite"].append(bool(m["grad_finite"]))
+        totals = np.zeros(3)
+        for b in data.eval_batches(exp.info, data_dir=config.data_dir,
+                                   image_size=config.image_size,
+                                   global_batch_size=config.batch_size, process_index=0,
+                                   process_count=1):
+            m = p_eval(state, _batch(exp, b))
+            totals += np.array([m["loss_sum"], m["correct"], m["count"]])
+    out.update(test_loss=totals[0] / totals[2], test_accuracy=totals[1] / totals[2],
+               apply_fn=state.apply_fn, label_smoothing=config.label_smoothing)
+    return out
+
+
+def gradient_fn(apply_fn: Any, label_smoothing: float) -> Any:
+    """``grads(params, batch, scale)``, jitted once: the step's gradient of one mode, the
+    loss x ``scale`` differentiated, then / ``scale`` in float32 (as the loss scale unscales
+    it)."""
+    loss_fn = classification_loss(label_smoothing)
+    holder = type("S", (), {"apply_fn": staticmethod(apply_fn)})()
+
+    @jax.jit
+    def grads(p, b, scale):
+        g = jax.grad(lambda q: loss_fn(holder, {"params": q}, b, jax.random.key(0))[0]
+                     * scale)(p)
+        return jax.tree.map(lambda x: x.astype(jnp.float32) / scale, g)
+
+    return lambda p, b, scale: jax.device_get(grads(p, b, jnp.float32(scale)))
+
+
+def compare(g: Any, g32: Any, scale: float = 1.0) -> dict[str, float]:
+    """Relative error, cosine and underflow share of ``g`` against ``g32``; with the loss
+    ``scale``, the shares of fp32's nonzero elements that a float16 gradient at that scale
+    would hold as a subnormal (below 2**-14) or flush to zero (below 2**-25).
+
+    Example:
+      >>> c = compare({"a": np.array([1.0, 0.0, 2.0])}, {"a": np.array([1.0, 1e-9, 2.0])})
+      >>> c["underflow_share"], c["rel_err"] < 1e-8, c["f16_flush_share"]
+      (0.3333333333333333, True, 0.3333333333333333)
+    """
+    a = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]).astype(np.float64)
+    b = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g32)]).astype(np.float64)
+    nb = np.linalg.norm(b)
+    return dict(rel_err=float(np.linalg.norm(a - b) / nb),
+                cosine=float(a @ b / (np.linalg.norm(a) * nb)),
+                underflow_share=float(np.mean((a == 0) & (b != 0))),
+                zeros=float(np.mean(a == 0)), zeros_fp32=float(np.mean(b == 0)),
+                f16_subnormal_share=float(np.mean((b != 0) & (np.abs(b * scale) < 2.0**-14))),
+                f16_flush_share=float(np.mean((b != 0) & (np.abs(b * scale) < 2.0**-25))),
+                finite=bool(np.isfinite(a).all()))
+
+
+def worst_leaves(g: Any, g32: Any, n: int = 3) -> list[tuple[str, float]]:
+    """The ``n`` parameters holding the largest shares of the squared gradient error."""
+    errs = [("/".join(str(getattr(k, "key", k)) for k in path),
+             float(np.sum((np.asarray(x, np.float64) - y) ** 2)))
+            for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(g)[0],
+                                    jax.tree.leaves(g32), strict=True)]
+    total = sum(e for _, e in errs) or 1.0
+    return sorted(((k, e / total) for k, e in errs), key=lambda e: -e[1])[:n]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs both experiments; prints them and writes ``results/fp16_gap-<platform>-<date>``."""
+    ap = common.parser(__doc__)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default: all)")
+    ap.add_argument("--probes", type=lambda t: [int(s) for s in common.split(t)],
+                    default=[0, 275, 550, 1099])
+    args = ap.parse_args(argv)
+    head = common.header("fp16_gap", argv)
+    runs = {m: trajectory(m, args.seed, args.steps, args.probes) for m in MODES}
+    n = len(runs["fp32"]["loss"])
+    result: dict[str, Any] = dict(**head, seed=args.seed, steps=n, runs={}, probes=[])
+    for m, r in runs.items():
+        loss = np.array(r["loss"])
+        d = np.abs(loss - np.array(runs["fp32"]["loss"]))
+        skipped = [i for i, f in enumerate(r["finite"]) if not f]
+        result["runs"][m] = dict(
+            test_loss=r["test_loss"], test_accuracy=r["test_accuracy"], skipped_steps=skipped,
+            scales=sorted(set(r["loss_scale"])),
+            first_step_loss_differs=next((i for i in range(n) if d[i] != 0), None),
+            mean_abs_loss_diff={f"{a}-{b}": float(d[a:b].mean()) for a, b in
+                                ((0, 10), (10, 100), (100, 500), (500, n)) if a < b <= n},
+            mean_train_loss_last_100=float(loss[-100:].mean()))
+        print(f"{m}: test loss {r['test_loss']:.4f}, accuracy {100 * r['test_accuracy']:.2f}%, "
+              f"skipped steps {skipped}, scales {sorted(set(r['loss_scale']))}, "
+              f"|loss - fp32 loss| by steps {result['runs'][m]['mean_abs_loss_diff']}",
+              flush=True)
+    fns = {m: gradient_fn(r["apply_fn"], r["label_smoothing"]) for m, r in runs.items()}
+    for p in args.probes:
+        if p not in runs["fp32"]["probes"]:
+            continue
+        params, batch = runs["fp32"]["probes"][p]
+        grads = {m: fns[m](params, batch, 1.0) for m in ("fp32", "bf16")}
+        scales = {"fp16 (its run's scale)": runs["fp16"]["loss_scale"][p], "fp16 scale 1": 1.0}
+        for label, s in scales.items():
+            grads[label] = fns["fp16"](params, batch, s)
+        for label, g in grads.items():
+            if label == "fp32":
+                continue
+            scale = scales.get(label, 1.0)
+            c = dict(step=p, gradient=label, **compare(g, grads["fp32"], scale), scale=scale,
+                     worst=worst_leaves(g, grads["fp32"]))
+            result["probes"].append(c)
+            print(f"step {p:4d} {label:<24} scale {c['scale']:>10g}: rel err {c['rel_err']:.2e}"
+                  f"  cos {c['cosine']:.6f}  underflow {100 * c['underflow_share']:.3f}%  "
+                  f"(f16 subnormal at this scale {100 * c['f16_subnormal_share']:.3f}%, "
+                  f"flushed {100 * c['f16_flush_share']:.3f}%)  "
+                  f"largest error share {c['worst'][0][0]} {100 * c['worst'][0][1]:.0f}%",
+                  flush=True)
+    if not args.no_write:
+        stem = common.results_stem(args.out_dir, "fp16_gap", head["platform"])
+        common.write_results(stem, result, _to_markdown(result))
+    return result
+
+
+def _to_markdown(result: dict[str, Any]) -> str:
+    """The measurements as tables (the note interpreting them is written beside)."""
+    lines = [f"# fp16 vs fp32 vs bf16: same weights, same batches (seed {result['seed']})", "",
+             f"- command: `{result['command']}`",
+             f"- date: {result['date']}; device: {result['device']}; jax {result['jax']}", "",
+             *common.table(
+                 "mode | test loss | test accuracy | skipped steps | loss scales | mean "
+                 "\\|loss − fp32 loss\\| steps 0-10 / 10-100 / 100-500 / 500-end", (
+                     [m, f"{r['test_loss']:.4f}", f"{100 * r['test_accuracy']:.2f}%",
+                      r["skipped_steps"] or "none",
+                      ", ".join(f"{s:g}" for s in r["scales"]),
+                      " / ".join(f"{v:.2e}" for v in r["mean_abs_loss_diff"].values())]
+                     for m, r in result["runs"].items())), "",
+             *common.table(
+                 "step | gradient | loss scale | relative error vs fp32 | cosine | zero here, "
+                 "not in fp32 | fp32 grad x scale < 2^-14 (f16 subnormal) | < 2^-25 (f16 "
+                 "zero) | parameter with the largest share of the error", (
+                     [p["step"], p["gradient"], f"{p['scale']:g}", f"{p['rel_err']:.2e}",
+                      f"{p['cosine']:.6f}", f"{100 * p['underflow_share']:.4f}%",
+                      f"{100 * p['f16_subnormal_share']:.4f}%",
+                      f"{100 * p['f16_flush_share']:.4f}%",
+                      f"{p['worst'][0][0]} ({100 * p['worst'][0][1]:.0f}%)"]
+                     for p in result["probes"]))]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
