@@ -9,6 +9,8 @@ Usage::
 
   python -m benchmarks.accuracy                          # 7 modes x linen/NNX, ~1 min each
   python -m benchmarks.accuracy --seeds 0,1,2            # the same, 3 seeds: mean ± std
+  python -m benchmarks.accuracy --seeds 0,1,2 --keep results/accuracy-cpu-<date>.json
+                                                         # train only the runs it lacks
   python -m benchmarks.accuracy --modes fp16 --set max_steps=2 --set num_layers=1 \\
       --out-dir /tmp/acc                                 # smoke run
 """
@@ -175,7 +177,8 @@ def _to_markdown(result: dict[str, Any]) -> str:
                            r["steps"], r["steps_skipped"], f"{r['final_loss_scale']:g}",
                            f"{r['wall_s']:.0f}", r["status"]] for r in rows))]
     if len({r.get("seed") for r in rows}) > 1:
-        lines += ["", f"## Over seeds {', '.join(map(str, result['seeds']))}", "",
+        seeds = sorted({r.get("seed") for r in rows}, key=str)
+        lines += ["", f"## Over seeds {', '.join(map(str, seeds))}", "",
                   "Mean and sample standard deviation (n - 1) of the runs above; the test "
                   "split has 360 images (one image = 0.28 pt).", "",
                   *seeds_table(result["aggregate"])]
@@ -197,8 +200,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--plot-mode", default="fp16", help="whose training.png to keep")
     ap.add_argument("--seeds", type=lambda t: [int(s) for s in common.split(t)], default=None,
                     help="train every mode once per seed (e.g. 0,1,2) and add mean ± std per "
-                         "mode and framework; the results are rewritten after each seed "
+                         "mode and framework; the results are rewritten after each run "
                          "(default: the recipe's seed, or --set seed=N)")
+    ap.add_argument("--keep", action="append", default=[], metavar="RESULTS_JSON",
+                    help="an earlier results file of this benchmark: its runs are kept (with "
+                         "the commit they name) and not trained again (repeatable)")
     args = ap.parse_args(argv)
     overrides = dict(args.set)
     if args.seeds is not None and "seed" in overrides:
@@ -206,12 +212,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     head = common.header("accuracy", argv)
     stem = common.results_stem(args.out_dir, "accuracy", head["platform"])
     seeds = args.seeds or [overrides.get("seed", vit_config("fp32").seed)]
-    rows, plot = [], None
+    rows, plot = kept_runs(args.keep), None
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="jamp-accuracy-") as tmp:
         for seed in seeds:
             seeded = dict(overrides, seed=seed) if args.seeds else overrides
             for framework, mode in ((f, m) for f in args.frameworks for m in args.modes):
+                if any((r.get("seed"), r.get("framework", "linen")) == (seed, framework)
+                       and r["mode"] == jamp.mixed_precision(mode).name for r in rows):
+                    continue  # kept from --keep
                 workdir = Path(tmp) / f"seed{seed}" / framework / mode
                 if (row := _run_mode(mode, seeded, workdir, framework)) is None:
                     continue
@@ -223,6 +232,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{common.fmt(row['images_per_sec'], ',.0f')} img/s  steps {row['steps']} "
                       f"(skipped {row['steps_skipped']})  {row['wall_s']:.0f} s  {row['status']}",
                       flush=True)
+                if not args.no_write:  # after each run: a long run leaves what it finished
+                    result = _result(head, args, overrides, seeds, plot, rows)
+                    common.write_results(stem, result, _to_markdown(result))
             if plot is None and not args.no_write:
                 source = next((r["plot"] for r in rows if r["mode"] == args.plot_mode
                                and r["plot"]), None)  # the first seed's, first framework's run
@@ -230,10 +242,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     plot = Path(f"{stem}-{args.plot_mode}-training.png")
                     plot.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(source, plot)
-            result = _result(head, args, overrides, seeds, plot, rows)
-            if not args.no_write:  # after each seed: a long run leaves what it finished
-                common.write_results(stem, result, _to_markdown(result))
+    result = _result(head, args, overrides, seeds, plot, rows)
+    if not args.no_write:
+        common.write_results(stem, result, _to_markdown(result))
     return result
+
+
+def kept_runs(paths: list[str]) -> list[dict[str, Any]]:
+    """The runs of earlier results files (``--keep``), each marked with the file it came from.
+
+    Example:
+      >>> kept_runs([])
+      []
+    """
+    rows = []
+    for path in paths:
+        try:
+            runs = json.loads(Path(path).read_text())["results"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"accuracy: --keep {path}: not a results file of this benchmark "
+                             f"({e}); give a .json python -m benchmarks.accuracy wrote.") from None
+        rows += [dict(r, plot=None, kept_from=Path(path).name) for r in runs]
+    return rows
 
 
 def _result(head: dict[str, Any], args: Any, overrides: dict[str, Any], seeds: list[int],

@@ -31,15 +31,17 @@ from jamp.metrics import read_metrics
 from jamp.train import train_and_evaluate
 
 
-def _losses(mode: str, framework: str, steps: int, clip: float) -> list[float]:
-    """The per-step train losses of one short trainer run."""
+def _losses(mode: str, framework: str, steps: int, clip: float
+            ) -> tuple[list[float], list[float]]:
+    """The per-step train losses and gradient norms of one short trainer run."""
     config = vit_config(mode)
     config.update_from_flattened_dict(dict(framework=framework, max_steps=steps,
                                            log_every_steps=1, grad_clip_norm=clip,
                                            progress=False))
     with tempfile.TemporaryDirectory(prefix="jamp-nnx-parity-") as tmp:
         train_and_evaluate(config, tmp)
-        return [r["train/loss"] for r in read_metrics(tmp) if "train/loss" in r]
+        records = [r for r in read_metrics(tmp) if "train/loss" in r]
+        return [r["train/loss"] for r in records], [r["train/grad_norm"] for r in records]
 
 
 def first_difference(a: list[float], b: list[float]) -> int | None:
@@ -85,16 +87,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--mode", default="fp32")
+    ap.add_argument("--clips", type=lambda t: [float(c) for c in t.split(",")],
+                    default=[vit_config("fp32").grad_clip_norm, 0.0],
+                    help="grad_clip_norm values to compare (default: the recipe's, then 0)")
     args = ap.parse_args(argv)
     out: dict[str, Any] = dict(mode=args.mode, steps=args.steps)
-    clip = vit_config(args.mode).grad_clip_norm
-    for c in (clip, 0.0):
+    for c in args.clips:
         runs = {fw: _losses(args.mode, fw, args.steps, c) for fw in ("linen", "nnx")}
-        first = first_difference(runs["linen"], runs["nnx"])
-        out[f"clip={c:g}"] = dict(first_difference=first, **runs)
-        print(f"grad_clip_norm={c:g}: first step whose loss differs: {first}; step "
-              f"{args.steps} loss linen {runs['linen'][-1]!r} nnx {runs['nnx'][-1]!r}",
-              flush=True)
+        (loss_l, norm_l), (loss_n, norm_n) = runs["linen"], runs["nnx"]
+        first = first_difference(loss_l, loss_n)
+        clipped = [i + 1 for i, n in enumerate(norm_l) if c and n > c]
+        out[f"clip={c:g}"] = dict(first_difference=first, linen=loss_l, nnx=loss_n,
+                                  grad_norm_linen=norm_l, grad_norm_nnx=norm_n,
+                                  first_norm_difference=first_difference(norm_l, norm_n),
+                                  clipped_steps=clipped)
+        print(f"grad_clip_norm={c:g}: first step whose loss differs: {first}; whose gradient "
+              f"norm differs: {first_difference(norm_l, norm_n)}; steps clipped (linen "
+              f"norm > {c:g}): {clipped[:8]}{' ...' if len(clipped) > 8 else ''}; step "
+              f"{args.steps} loss linen {loss_l[-1]!r} nnx {loss_n[-1]!r}", flush=True)
+        for i in range(min(first or 0, args.steps)):
+            print(f"  step {i + 1:2d}: loss linen {loss_l[i]!r} nnx {loss_n[i]!r}; "
+                  f"norm linen {norm_l[i]!r} nnx {norm_n[i]!r}")
     norms = norm_orders(args.mode)
     out["global_norm"] = norms
     print(f"global_norm of the initial params: linen order {norms['linen']!r}, NNX order "
