@@ -188,7 +188,7 @@ def _accuracy_block(results: Path) -> str:
             lines += [
                 f"The first command above, `jamp.train --config vit_fp16`, is the "
                 f"{first['mode']} / {first['framework']} row's seed {first['seed']}: at commit "
-                f"`{commit}` on this CPU it prints `test accuracy "
+                f"`{commit}` on this CPU its summary prints `test accuracy   "
                 f"{100 * first['test_accuracy']:.2f}%  (loss {first['test_loss']:.4f})`. Add "
                 "`--config.seed=1` for the next column; another CPU (another XLA:CPU code "
                 "path) gives another run within the row's spread.", ""]
