@@ -29,9 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jamp
 from benchmarks import common
 from jamp import data, experiment, parallel
 from jamp.config import vit_config
+from jamp.models import vit
 from jamp.step import classification_loss, eval_step
 from jamp.train import jit_train_step
 
@@ -81,6 +83,19 @@ def trajectory(mode: str, seed: int, steps: int | None, probes: list[int]) -> di
     out.update(test_loss=totals[0] / totals[2], test_accuracy=totals[1] / totals[2],
                apply_fn=state.apply_fn, label_smoothing=config.label_smoothing)
     return out
+
+
+def head_f32_apply_fn(seed: int) -> Any:
+    """The recipe's fp16 ViT with its classifier head (``head``) in float32: a policy
+    override, ``jamp.mixed_precision("fp16", overrides={"head": "f32"})``."""
+    config = vit_config("fp16")
+    config.seed = seed
+    exp = experiment.build_experiment(config)
+    module = vit.create(config.model, num_classes=exp.info.num_classes,
+                        patch_size=config.patch_size, dropout_rate=config.dropout_rate,
+                        remat=config.remat, scan_layers=config.scan_layers,
+                        **experiment.model_dims(config))
+    return jamp.apply_policy(module, jamp.mixed_precision("fp16", overrides={"head": "f32"})).apply
 
 
 def gradient_fn(apply_fn: Any, label_smoothing: float) -> Any:
@@ -135,12 +150,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs both experiments; prints them and writes ``results/fp16_gap-<platform>-<date>``."""
     ap = common.parser(__doc__)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", type=common.split, default=list(MODES),
+                    help="whose trajectories to run (fp32 always; without fp16 its probes "
+                         "use --scale)")
+    ap.add_argument("--scale", type=float, default=32768.0,
+                    help="fp16 probes' loss scale when the fp16 run is not made")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: all)")
     ap.add_argument("--probes", type=lambda t: [int(s) for s in common.split(t)],
                     default=[0, 275, 550, 1099])
     args = ap.parse_args(argv)
     head = common.header("fp16_gap", argv)
-    runs = {m: trajectory(m, args.seed, args.steps, args.probes) for m in MODES}
+    modes = ["fp32", *(m for m in MODES if m in args.modes and m != "fp32")]
+    runs = {m: trajectory(m, args.seed, args.steps, args.probes) for m in modes}
     n = len(runs["fp32"]["loss"])
     result: dict[str, Any] = dict(**head, seed=args.seed, steps=n, runs={}, probes=[])
     for m, r in runs.items():
@@ -158,15 +179,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"skipped steps {skipped}, scales {sorted(set(r['loss_scale']))}, "
               f"|loss - fp32 loss| by steps {result['runs'][m]['mean_abs_loss_diff']}",
               flush=True)
-    fns = {m: gradient_fn(r["apply_fn"], r["label_smoothing"]) for m, r in runs.items()}
+    smoothing = runs["fp32"]["label_smoothing"]
+    fns = {m: gradient_fn(r["apply_fn"], smoothing) for m, r in runs.items()}
+    for m in ("bf16", "fp16"):
+        if m not in fns:  # the mode's model without its run
+            exp = experiment.build_experiment(vit_config(m))
+            fns[m] = gradient_fn(exp.apply_fn, smoothing)
+    fns["fp16 head f32"] = gradient_fn(head_f32_apply_fn(args.seed), smoothing)
     for p in args.probes:
         if p not in runs["fp32"]["probes"]:
             continue
         params, batch = runs["fp32"]["probes"][p]
         grads = {m: fns[m](params, batch, 1.0) for m in ("fp32", "bf16")}
-        scales = {"fp16 (its run's scale)": runs["fp16"]["loss_scale"][p], "fp16 scale 1": 1.0}
+        run_scale = runs["fp16"]["loss_scale"][p] if "fp16" in runs else args.scale
+        scales = {"fp16 (its run's scale)": run_scale, "fp16 scale 1": 1.0,
+                  "fp16, head in f32 (its run's scale)": run_scale}
         for label, s in scales.items():
-            grads[label] = fns["fp16"](params, batch, s)
+            grads[label] = fns["fp16 head f32" if "head" in label else "fp16"](params, batch, s)
         for label, g in grads.items():
             if label == "fp32":
                 continue
@@ -181,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"largest error share {c['worst'][0][0]} {100 * c['worst'][0][1]:.0f}%",
                   flush=True)
     if not args.no_write:
-        stem = common.results_stem(args.out_dir, "fp16_gap", head["platform"])
+        name = "fp16_gap" if len(runs) == len(MODES) else "fp16_gap_probes"
+        stem = common.results_stem(args.out_dir, name, head["platform"])
         common.write_results(stem, result, _to_markdown(result))
     return result
 
@@ -193,7 +223,7 @@ def _to_markdown(result: dict[str, Any]) -> str:
              f"- date: {result['date']}; device: {result['device']}; jax {result['jax']}", "",
              *common.table(
                  "mode | test loss | test accuracy | skipped steps | loss scales | mean "
-                 "\\|loss − fp32 loss\\| steps 0-10 / 10-100 / 100-500 / 500-end", (
+                 "abs(loss − fp32 loss), steps 0-10 / 10-100 / 100-500 / 500-end", (
                      [m, f"{r['test_loss']:.4f}", f"{100 * r['test_accuracy']:.2f}%",
                       r["skipped_steps"] or "none",
                       ", ".join(f"{s:g}" for s in r["scales"]),
@@ -205,8 +235,9 @@ def _to_markdown(result: dict[str, Any]) -> str:
                  "zero) | parameter with the largest share of the error", (
                      [p["step"], p["gradient"], f"{p['scale']:g}", f"{p['rel_err']:.2e}",
                       f"{p['cosine']:.6f}", f"{100 * p['underflow_share']:.4f}%",
-                      f"{100 * p['f16_subnormal_share']:.4f}%",
-                      f"{100 * p['f16_flush_share']:.4f}%",
+                      *((f"{100 * p['f16_subnormal_share']:.4f}%",
+                         f"{100 * p['f16_flush_share']:.4f}%") if "fp16" in p["gradient"]
+                        else ("—", "—")),
                       f"{p['worst'][0][0]} ({100 * p['worst'][0][1]:.0f}%)"]
                      for p in result["probes"]))]
     return "\n".join(lines) + "\n"
