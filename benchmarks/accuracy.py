@@ -165,6 +165,8 @@ def _to_markdown(result: dict[str, Any]) -> str:
         f"{c['batch_size']}, {c['num_epochs']} epochs, lr {c['learning_rate']}); "
         f"overrides: {result['overrides'] or 'none'}; runs one after another on a shared "
         "machine (images/s are noisy and, on CPU, not a measure of half precision)",
+        *(f"- runs kept (`--keep`) from an earlier invocation: `{k}`" for k in sorted(
+            {r["kept_command"] for r in rows if r.get("kept_command")})),
         f"- plot: `{result['plot']}` (mode {result['plot_mode']})" if result["plot"] else "", "",
         *common.table("seed | mode | framework | test accuracy | Δ vs fp32 | Δ NNX vs linen "
                       "| test loss | images/s | steps | steps skipped | final loss scale "
@@ -262,7 +264,9 @@ def kept_runs(paths: list[str]) -> list[dict[str, Any]]:
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"accuracy: --keep {path}: not a results file of this benchmark "
                              f"({e}); give a .json python -m benchmarks.accuracy wrote.") from None
-        rows += [dict(r, plot=None, kept_from=Path(path).name) for r in runs]
+        command = json.loads(Path(path).read_text()).get("command")
+        rows += [dict(r, plot=None, kept_from=Path(path).name, kept_command=command)
+                 for r in runs]
     return rows
 
 
