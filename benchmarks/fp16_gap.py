@@ -18,16 +18,24 @@ Usage::
 
   python -m benchmarks.fp16_gap                       # ~4 min alone on 2 CPU cores
   python -m benchmarks.fp16_gap --steps 200 --probes 0,100 --no-write   # quicker
+  python -m benchmarks.fp16_gap --modes fp32 --probes 550,1099   # probes only (+ head in f32)
+  python -m benchmarks.fp16_gap --from-accuracy results/accuracy-cpu-<date>.json
+                                                      # same-seed differences between modes
 """
 
 from __future__ import annotations
 
+import json
+import statistics
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from flax.training import train_state
 
 import jamp
 from benchmarks import common
@@ -73,16 +81,39 @@ def trajectory(mode: str, seed: int, steps: int | None, probes: list[int]) -> di
             out["loss"].append(float(m["loss"]))
             out["loss_scale"].append(float(m["loss_scale"]))
             out["finite"].append(bool(m["grad_finite"]))
-        totals = np.zeros(3)
-        for b in data.eval_batches(exp.info, data_dir=config.data_dir,
-                                   image_size=config.image_size,
-                                   global_batch_size=config.batch_size, process_index=0,
-                                   process_count=1):
-            m = p_eval(state, _batch(exp, b))
-            totals += np.array([m["loss_sum"], m["correct"], m["count"]])
-    out.update(test_loss=totals[0] / totals[2], test_accuracy=totals[1] / totals[2],
-               apply_fn=state.apply_fn, label_smoothing=config.label_smoothing)
+        loss, accuracy = test_metrics(exp, state, p_eval)
+    out.update(test_loss=loss, test_accuracy=accuracy, apply_fn=state.apply_fn,
+               label_smoothing=config.label_smoothing, exp=exp,
+               params=jax.device_get(state.params))
     return out
+
+
+def test_metrics(exp: experiment.Experiment, state: Any, p_eval: Any) -> tuple[float, float]:
+    """Test loss and accuracy of ``state`` (the trainer's evaluation: every image once)."""
+    c, totals = exp.config, np.zeros(3)
+    for b in data.eval_batches(exp.info, data_dir=c.data_dir, image_size=c.image_size,
+                               global_batch_size=c.batch_size, process_index=0,
+                               process_count=1):
+        m = p_eval(state, _batch(exp, b))
+        totals += np.array([m["loss_sum"], m["correct"], m["count"]])
+    return float(totals[0] / totals[2]), float(totals[1] / totals[2])
+
+
+def cross_evaluate(runs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each run's final weights evaluated by each mode's model: does a mode's test loss come
+    from its training or from its half-precision forward pass at evaluation?"""
+    rows = []
+    for trained, r in runs.items():
+        for model, e in runs.items():
+            state = train_state.TrainState.create(apply_fn=e["apply_fn"], params=r["params"],
+                                                  tx=optax.identity())
+            with jax.set_mesh(e["exp"].mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+                loss, accuracy = test_metrics(e["exp"], state, jax.jit(eval_step))
+            rows.append(dict(trained=trained, evaluated=model, test_loss=loss,
+                             test_accuracy=accuracy))
+            print(f"weights trained in {trained}, evaluated in {model}: test loss {loss:.4f}, "
+                  f"accuracy {100 * accuracy:.2f}%", flush=True)
+    return rows
 
 
 def head_f32_apply_fn(seed: int) -> Any:
@@ -153,12 +184,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--modes", type=common.split, default=list(MODES),
                     help="whose trajectories to run (fp32 always; without fp16 its probes "
                          "use --scale)")
+    ap.add_argument("--from-accuracy", metavar="RESULTS_JSON", default=None,
+                    help="only print the same-seed differences of an accuracy results file")
+    ap.add_argument("--name", default="fp16_gap", help="the results file's name")
     ap.add_argument("--scale", type=float, default=32768.0,
                     help="fp16 probes' loss scale when the fp16 run is not made")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: all)")
     ap.add_argument("--probes", type=lambda t: [int(s) for s in common.split(t)],
                     default=[0, 275, 550, 1099])
     args = ap.parse_args(argv)
+    if args.from_accuracy:
+        diffs = seed_differences(args.from_accuracy)
+        print("\n".join(differences_markdown(diffs)))
+        return diffs
     head = common.header("fp16_gap", argv)
     modes = ["fp32", *(m for m in MODES if m in args.modes and m != "fp32")]
     runs = {m: trajectory(m, args.seed, args.steps, args.probes) for m in modes}
@@ -180,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"|loss - fp32 loss| by steps {result['runs'][m]['mean_abs_loss_diff']}",
               flush=True)
     smoothing = runs["fp32"]["label_smoothing"]
+    result["cross_evaluation"] = cross_evaluate(runs)
     fns = {m: gradient_fn(r["apply_fn"], smoothing) for m, r in runs.items()}
     for m in ("bf16", "fp16"):
         if m not in fns:  # the mode's model without its run
@@ -210,8 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"largest error share {c['worst'][0][0]} {100 * c['worst'][0][1]:.0f}%",
                   flush=True)
     if not args.no_write:
-        name = "fp16_gap" if len(runs) == len(MODES) else "fp16_gap_probes"
-        stem = common.results_stem(args.out_dir, name, head["platform"])
+        stem = common.results_stem(args.out_dir, args.name, head["platform"])
         common.write_results(stem, result, _to_markdown(result))
     return result
 
@@ -240,7 +278,66 @@ def _to_markdown(result: dict[str, Any]) -> str:
                         else ("—", "—")),
                       f"{p['worst'][0][0]} ({100 * p['worst'][0][1]:.0f}%)"]
                      for p in result["probes"]))]
+    if result.get("cross_evaluation"):
+        lines += ["", "Each run's final weights evaluated by each mode's model:", "",
+                  *common.table("weights trained in | evaluated in | test loss | test accuracy",
+                                ([x["trained"], x["evaluated"], f"{x['test_loss']:.4f}",
+                                  f"{100 * x['test_accuracy']:.2f}%"]
+                                 for x in result["cross_evaluation"]))]
     return "\n".join(lines) + "\n"
+
+
+
+def seed_differences(accuracy_json: str | Path) -> dict[str, Any]:
+    """From an accuracy results file (``python -m benchmarks.accuracy --seeds ...``): the
+    differences of test loss and accuracy between modes trained from the same seed and
+    framework (same initial weights, same batch order), and between the frameworks of the
+    same mode and seed (a last-bit perturbation: the control for what chaos alone does).
+
+    Example: ``seed_differences("benchmarks/results/accuracy-cpu-2026-11-26.json")``.
+    """
+    rows = [r for r in json.loads(Path(accuracy_json).read_text())["results"]
+            if r["status"] == "ok"]
+    by = {(r["mode"], r["framework"], r["seed"]): r for r in rows}
+    out: dict[str, Any] = {}
+
+    def pairs(label: str, keys: list[tuple[tuple, tuple]]) -> None:
+        d_loss = [by[a]["test_loss"] - by[b]["test_loss"] for a, b in keys]
+        d_acc = [100 * (by[a]["test_accuracy"] - by[b]["test_accuracy"]) for a, b in keys]
+        if d_loss:
+            out[label] = dict(
+                n=len(keys), loss=d_loss, accuracy_pt=d_acc,
+                loss_mean=statistics.fmean(d_loss), accuracy_mean=statistics.fmean(d_acc),
+                loss_std=statistics.stdev(d_loss) if len(d_loss) > 1 else None,
+                accuracy_std=statistics.stdev(d_acc) if len(d_acc) > 1 else None,
+                loss_positive=sum(x > 0 for x in d_loss))
+
+    for mode in ("fp16", "bf16"):
+        pairs(f"{mode} − fp32 (same seed, same framework)",
+              [((mode, f, s), ("fp32", f, s)) for (m, f, s) in by if m == mode
+               and ("fp32", f, s) in by])
+    pairs("fp16 − bf16 (same seed, same framework)",
+          [(("fp16", f, s), ("bf16", f, s)) for (m, f, s) in by if m == "fp16"
+           and ("bf16", f, s) in by])
+    for mode in ("fp32", "fp16", "bf16"):
+        pairs(f"{mode}: NNX − linen (same seed)",
+              [((mode, "nnx", s), (mode, "linen", s)) for (m, f, s) in by
+               if m == mode and f == "nnx" and (mode, "linen", s) in by])
+    return out
+
+
+def differences_markdown(diffs: dict[str, Any]) -> list[str]:
+    """The table of :func:`seed_differences`."""
+    cell = lambda v, spec: "n/a" if v is None else f"{v:{spec}}"
+    return common.table(
+        "pair | runs | test loss difference per run | mean ± std | runs with a higher loss "
+        "| accuracy difference per run (pt) | mean ± std (pt)", (
+            [k, d["n"], " / ".join(f"{x:+.4f}" for x in d["loss"]),
+             f"{d['loss_mean']:+.4f} ± {cell(d['loss_std'], '.4f')}",
+             f"{d['loss_positive']} of {d['n']}",
+             " / ".join(f"{x:+.2f}" for x in d["accuracy_pt"]),
+             f"{d['accuracy_mean']:+.2f} ± {cell(d['accuracy_std'], '.2f')}"]
+            for k, d in diffs.items()))
 
 
 if __name__ == "__main__":
