@@ -141,12 +141,12 @@ _FIRST_COMMAND = dict(mode="fp16", framework="linen", seed=0)
 """The run the README's first command (``jamp.train --config vit_fp16``) trains."""
 
 NNX_VS_LINEN = (
-    "NNX starts from linen's initial weights and trains bit for bit like it until the first "
-    "step whose gradient norm exceeds `grad_clip_norm` (1.0): `optax.clip_by_global_norm` "
-    "sums the parameters' squared norms in tree order, and NNX's parameter names "
-    "(`attention`, `mlp`, `norm1`) sort differently from linen's (`LayerNorm_0`, "
-    "`MlpBlock_0`, `SelfAttention_0`), so the norm differs in its last bit; 1,100 steps "
-    "grow that into a run as different as another seed "
+    "NNX starts from linen's initial weights and its steps equal linen's bit for bit, but "
+    "for one sum: `optax.clip_by_global_norm` (`grad_clip_norm` 1.0) adds the parameters' "
+    "squared norms in tree order, and NNX's parameter names (`attention`, `mlp`, `norm1`) "
+    "sort differently from linen's (`LayerNorm_0`, `MlpBlock_0`, `SelfAttention_0`). The "
+    "first clipped step whose norm rounds differently in the last bit (step 12 of a 30-step "
+    "fp32 run; none of 30 without clipping) starts a run as different as another seed "
     "([`accuracy_nnx_parity`](benchmarks/accuracy_nnx_parity.py)). Compare the two by their "
     "means.")
 """Why the linen and NNX rows differ (measured by ``benchmarks/accuracy_nnx_parity.py``)."""
