@@ -265,7 +265,8 @@ def kept_runs(paths: list[str]) -> list[dict[str, Any]]:
             raise SystemExit(f"accuracy: --keep {path}: not a results file of this benchmark "
                              f"({e}); give a .json python -m benchmarks.accuracy wrote.") from None
         command = json.loads(Path(path).read_text()).get("command")
-        rows += [dict(r, plot=None, kept_from=Path(path).name, kept_command=command)
+        rows += [dict(r, plot=None, kept_from=r.get("kept_from", Path(path).name),
+                      kept_command=r.get("kept_command", command))  # a kept file's own keeps
                  for r in runs]
     return rows
 
