@@ -147,7 +147,8 @@ NNX_VS_LINEN = (
     "sort differently from linen's (`LayerNorm_0`, `MlpBlock_0`, `SelfAttention_0`). The "
     "first clipped step whose norm rounds differently in the last bit (step 12 of a 30-step "
     "fp32 run; none of 30 without clipping) starts a run as different as another seed "
-    "([`accuracy_nnx_parity`](benchmarks/accuracy_nnx_parity.py)). Compare the two by their "
+    "([`accuracy_nnx_parity-cpu-2026-11-26.md`]"
+    "(benchmarks/results/accuracy_nnx_parity-cpu-2026-11-26.md)). Compare the two by their "
     "means.")
 """Why the linen and NNX rows differ (measured by ``benchmarks/accuracy_nnx_parity.py``)."""
 
