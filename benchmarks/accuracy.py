@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import shutil
 import statistics
 import tempfile
@@ -102,14 +103,19 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
       >>> a = aggregate(rows)[0]
       >>> a["seeds"], round(a["accuracy_mean"], 4), round(a["accuracy_std"], 4)
       ([0, 1], 0.97, 0.0141)
+      >>> for r in rows:  # diverged runs: NaN losses are left out of the mean, not an error
+      ...     r["test_loss"] = float("nan")
+      >>> aggregate(rows)[0]["loss_mean"] is None
+      True
     """
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["mode"], r.get("framework", "linen")), []).append(r)
     out = []
     for (mode, framework), runs in groups.items():
-        acc = [r["test_accuracy"] for r in runs if r["test_accuracy"] is not None]
-        loss = [r["test_loss"] for r in runs if r["test_loss"] is not None]
+        finite = lambda xs: [x for x in xs if x is not None and math.isfinite(x)]
+        acc = finite(r["test_accuracy"] for r in runs)  # a diverged run's loss is NaN
+        loss = finite(r["test_loss"] for r in runs)
         spread = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0
         out.append(dict(
             mode=mode, framework=framework, seeds=[r.get("seed") for r in runs],

@@ -264,6 +264,8 @@ def test_accuracy_over_seeds_keeps_runs_and_names_the_first_commands_cell(tmp_pa
                  test_accuracy=a, test_loss=loss, images_per_sec=1.0, steps=1100,
                  steps_skipped=int(m == "fp16"), final_loss_scale=1.0, wall_s=1.0,
                  commit="abc1234") for (m, s), (a, loss) in values.items()]
+    runs += [dict(runs[0], mode="fp16_pure", seed=s, test_accuracy=0.0, test_loss=float("nan"),
+                  status="diverged: Training stopped at step 90") for s in (0, 1)]
     keep = tmp_path / "keep.json"
     keep.write_text(json.dumps({"results": runs}))
     out = tmp_path / "out"
@@ -271,7 +273,9 @@ def test_accuracy_over_seeds_keeps_runs_and_names_the_first_commands_cell(tmp_pa
             "--set", "num_heads=2", "--set", "mlp_dim=32"]  # only if --keep were ignored
     result = accuracy.main(["--modes", "fp32,fp16", "--frameworks", "linen", "--seeds", "0,1",
                             "--keep", str(keep), "--out-dir", str(out), *tiny])
-    assert [r["kept_from"] for r in result["results"]] == ["keep.json"] * 4  # none trained
+    assert [r["kept_from"] for r in result["results"]] == ["keep.json"] * 6  # none trained
+    pure = next(a for a in result["aggregate"] if a["mode"] == "fp16_pure")
+    assert pure["loss_mean"] is None and pure["accuracy_mean"] == 0.0  # NaN losses left out
     fp16 = next(a for a in result["aggregate"] if a["mode"] == "fp16")
     assert (fp16["seeds"], fp16["accuracy"], fp16["steps_skipped"]) == ([0, 1], [0.96, 0.98],
                                                                          [1, 1])
