@@ -77,8 +77,10 @@ FIELDS: dict[str, Field] = {
                           "process)", _at_least(0, "0")),
     "augment": Field(True, "random crop (+ flip where it keeps the label) on the train split"),
     # Model.
-    "framework": Field("linen", "the ViT's Flax API: 'linen' or 'nnx' (same initial weights, "
-                       "same numbers)"),
+    "framework": Field("linen", "the ViT's Flax API: 'linen' or 'nnx' (same initial weights; "
+                       "bit-identical steps until the clipping norm, summed in each API's "
+                       "parameter order, rounds differently on a clipped step; then the runs "
+                       "part like two seeds)"),
     "model": Field("ti", "ViT size: ti, s, b or l (the :arg's model, e.g. s16 -> s with patch "
                    "16)"),
     "patch_size": Field(16, "patch side in pixels (must divide image_size)", _at_least(1, "4")),

@@ -254,3 +254,37 @@ def test_compile_overhead_times_every_stage_of_every_variant():
     assert rows["fp32"]["converts"] < rows["hand_mixed"]["converts"] <= rows["autocast"]["converts"]
     assert all(t["instructions"] >= t["fusions"] > 0 for t in rows.values())
     assert "| scanned | autocast |" in compile_overhead.to_markdown(result)
+
+
+def test_accuracy_over_seeds_keeps_runs_and_names_the_first_commands_cell(tmp_path):
+    """--seeds aggregates per mode and framework; --keep trains nothing it already holds; the
+    README block names the fp16/linen seed-0 cell as what the first command prints."""
+    from benchmarks import accuracy
+
+    values = {("fp32", 0): (0.975, 0.16), ("fp32", 1): (0.97, 0.17),
+              ("fp16", 0): (0.96, 0.18), ("fp16", 1): (0.98, 0.15)}
+    runs = [dict(mode=m, framework="linen", seed=s, status="ok", model="ViT-Ti/2",
+                 test_accuracy=a, test_loss=loss, images_per_sec=1.0, steps=1100,
+                 steps_skipped=int(m == "fp16"), final_loss_scale=1.0, wall_s=1.0,
+                 commit="abc1234") for (m, s), (a, loss) in values.items()]
+    runs += [dict(runs[0], mode="fp16_pure", seed=s, test_accuracy=0.0, test_loss=float("nan"),
+                  status="diverged: Training stopped at step 90") for s in (0, 1)]
+    keep = tmp_path / "keep.json"
+    keep.write_text(json.dumps({"results": runs}))
+    out = tmp_path / "out"
+    tiny = ["--set", "max_steps=1", "--set", "num_layers=1", "--set", "hidden_size=16",
+            "--set", "num_heads=2", "--set", "mlp_dim=32"]  # only if --keep were ignored
+    result = accuracy.main(["--modes", "fp32,fp16", "--frameworks", "linen", "--seeds", "0,1",
+                            "--keep", str(keep), "--out-dir", str(out), *tiny])
+    assert [r["kept_from"] for r in result["results"]] == ["keep.json"] * 6  # none trained
+    pure = next(a for a in result["aggregate"] if a["mode"] == "fp16_pure")
+    assert pure["loss_mean"] is None and pure["accuracy_mean"] == 0.0  # NaN losses left out
+    fp16 = next(a for a in result["aggregate"] if a["mode"] == "fp16")
+    assert (fp16["seeds"], fp16["accuracy"], fp16["steps_skipped"]) == ([0, 1], [0.96, 0.98],
+                                                                         [1, 1])
+    assert fp16["accuracy_mean"] == pytest.approx(0.97)
+    assert fp16["accuracy_std"] == pytest.approx(0.0141421, rel=1e-4)  # sample std (n - 1)
+    block = update_readme._accuracy_block(out)
+    assert "| fp16 | linen | 96.00 | 98.00 | 97.00 ± 1.41 | -0.25 pt |" in block
+    assert "seed 0: at commit `abc1234` on this CPU its summary prints `test accuracy   " \
+           "96.00%  (loss 0.1800)`" in block
