@@ -171,11 +171,11 @@ def _linen(model: nn.Module, mp: MixedPrecision) -> _Model:
                                 **train_kwargs(train))
         return module.apply(variables, inputs, rngs=rngs, **train_kwargs(train)), {}
 
-    def activations(variables, inputs, train, rng, mutable):
+    def activations(variables, inputs, train, rng, mutable, reduce):
         rngs = None if rng is None else {"dropout": rng}
         return tensor_stats_module.linen_activations(module.apply, variables, inputs,
                                                      rngs=rngs, mutable=list(mutable),
-                                                     **train_kwargs(train))
+                                                     reduce=reduce, **train_kwargs(train))
 
     return _Model(init, apply, activations)
 
@@ -410,10 +410,10 @@ class Boosted:
         if not c.every:  # skip reasons only: the gradient search, no extra forward pass
             return c
 
-        def activations(state, variables, batch, rng):
+        def activations(state, variables, batch, rng, reduce):
             mutable = getattr(state, "model_state", {})
             return self.model.activations({**variables, **mutable}, self.inputs(batch), True,
-                                          rng, mutable)
+                                          rng, mutable, reduce)
 
         collector = dataclasses.replace(c, activations=activations)
         object.__setattr__(self, "tensor_stats", collector)  # rows recorded on this one

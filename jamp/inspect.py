@@ -223,8 +223,9 @@ def _run_mode(config: Any, mode: str, steps: int, layer: str | None = None) -> M
         compute = jnp.float16
     activations = None
     if c.framework == "linen" and exp.pipeline is None:
-        activations = lambda state, variables, batch, rng: tensor_stats.linen_activations(
-            state.apply_fn, variables, batch["image"], train=True, rngs={"dropout": rng})
+        activations = lambda state, variables, batch, rng, reduce: (
+            tensor_stats.linen_activations(state.apply_fn, variables, batch["image"],
+                                           train=True, rngs={"dropout": rng}, reduce=reduce))
     collector = tensor_stats.Collector(every=1, compute_dtype=compute,
                                        scanned=("layers",) if c.scan_layers else (),
                                        activations=activations)

@@ -381,7 +381,8 @@ def loss_scaled_step(
         forward = None
         if tensor_stats.activations is not None:
             variables = {"params": before.params, **extras}
-            forward = lambda: tensor_stats.activations(before, variables, batch, rng)
+            forward = lambda reduce: tensor_stats.activations(before, variables, batch, rng,
+                                                              reduce)
         bad = ~stats.last_finite | ~jnp.isfinite(metrics["loss"])
         metrics.update(tensor_stats.step_metrics(step=before.step, params=before.params,
                                                  grads=grads, scale=scale, bad=bad,

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -204,6 +205,8 @@ def ordered_leaves(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, A
       >>> [n for n, _ in ordered_leaves(t)]
       ['b', 'a']
     """
+    if isinstance(tree, Stats):  # a layer output reduced during the forward pass
+        return [(_layer_name(prefix), tree)]
     if isinstance(tree, Mapping):
         items = [(str(k), v) for k, v in tree.items()]
     elif isinstance(tree, list | tuple):
@@ -272,6 +275,57 @@ def tree_stats(named: list[tuple[str, Any]], dtype: Any = None, scale: Any = 1.0
     return Stats(*(jnp.concatenate(column) for column in zip(*parts, strict=True))), rows
 
 
+def _combine(stats: Stats, axis: int) -> Stats:
+    """``stats`` of equal-sized parts merged over ``axis`` (a NaN count keeps amax NaN)."""
+    nan = jnp.sum(stats.nan_count, axis=axis)
+    amax = jnp.where(nan > 0, jnp.nan, jnp.max(jnp.nan_to_num(stats.amax, nan=0.0), axis=axis))
+    return Stats(amax=amax, min_nonzero=jnp.min(stats.min_nonzero, axis=axis),
+                 zero_fraction=jnp.mean(stats.zero_fraction, axis=axis),
+                 underflow_fraction=jnp.mean(stats.underflow_fraction, axis=axis),
+                 flush_fraction=jnp.mean(stats.flush_fraction, axis=axis),
+                 headroom_bits=jnp.min(stats.headroom_bits, axis=axis),
+                 nan_count=nan, inf_count=jnp.sum(stats.inf_count, axis=axis))
+
+
+def reduced_stats(named: list[tuple[str, Stats]], scanned: Sequence[str] = ()
+                  ) -> tuple[Stats, list[Row]]:
+    """Rows and one concatenated :class:`Stats` of layer outputs already reduced in the
+    forward pass (``linen_activations(..., reduce=array_stats)``).
+
+    A scan stacks the statistics of its body's outputs (``[layers, 1]``): under a path
+    component in ``scanned`` each layer is a row, elsewhere the layers merge into one.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> one = array_stats(jnp.array([1.0, 2.0]))
+      >>> two = Stats(*(jnp.stack([v, 2 * v]) for v in one))
+      >>> stats, rows = reduced_stats([("layers/Dense_0", two), ("head", one)], ("layers",))
+      >>> [r.name for r in rows], stats.amax.tolist()
+      (['layers/0/Dense_0', 'layers/1/Dense_0', 'head'], [2.0, 4.0, 2.0])
+    """
+    rows, parts = [], []
+    for i, (name, stats) in enumerate(named):
+        lead = stats.amax.shape[:-1]
+        if not lead:
+            rows.append(Row(name, i, None, ()))
+            parts.append(stats)
+            continue
+        flat = Stats(*(jnp.reshape(v, (math.prod(lead), -1)) for v in stats))
+        names = name.split("/")
+        at = next((j for j, p in enumerate(names) if p in scanned), None)
+        if at is None:
+            rows.append(Row(name, i, None, ()))
+            parts.append(Stats(*(jnp.reshape(v, (1,)) for v in _combine(flat, (0, 1)))))
+            continue
+        per_layer = _combine(Stats(*(jnp.reshape(v, (lead[0], -1)) for v in flat)), 1)
+        rows += [Row("/".join([*names[:at + 1], str(layer), *names[at + 1:]]), i, layer, ())
+                 for layer in range(lead[0])]
+        parts.append(per_layer)
+    if not parts:
+        return tree_stats([])[0], []
+    return Stats(*(jnp.concatenate(column) for column in zip(*parts, strict=True))), rows
+
+
 # ----------------------------------------------------------------------------- skips
 
 
@@ -280,33 +334,39 @@ def _first_bad(named: list[tuple[str, Any]], rows: list[Row], order: list[int],
     """The first row (in ``order``) holding inf or NaN (or a magnitude above ``limit``);
     with ``prefer_inf`` the first holding inf and no NaN if there is one (an overflow in
     the backward pass spreads as NaN, inf - inf, to the leaves computed after it)."""
-    kinds, amaxes = [], []
-    for i, (_, leaf) in enumerate(named):
-        split = any(r.leaf == i and r.index is not None for r in rows)
-        s = array_stats(leaf, split=split)
-        kind = (s.inf_count > 0).astype(jnp.int32) + 2 * (s.nan_count > 0).astype(jnp.int32)
-        if limit is not None:
-            kind = kind + 4 * (jnp.nan_to_num(s.amax, nan=0.0) > limit).astype(jnp.int32)
-        kinds.append(kind)
-        amaxes.append(s.amax)
-    kinds_all = jnp.concatenate(kinds)[jnp.asarray(order, jnp.int32)]
-    amax_all = jnp.concatenate(amaxes)[jnp.asarray(order, jnp.int32)]
+    stats = Stats(*(jnp.concatenate(c) for c in zip(*(
+        array_stats(leaf, split=any(r.leaf == i and r.index is not None for r in rows))
+        for i, (_, leaf) in enumerate(named)), strict=True))) if named else tree_stats([])[0]
+    result = _first_bad_row(stats, order, limit, prefer_inf)
+    # The first non-finite element of each leaf (flat index in the whole leaf).
+    leaf_of_row = jnp.asarray([r.leaf for r in rows] or [0], jnp.int32)
+    elements = jnp.stack([jnp.argmax(~jnp.isfinite(jnp.ravel(leaf))).astype(jnp.int32)
+                          if jnp.size(leaf) else jnp.zeros((), jnp.int32)
+                          for _, leaf in named]) if named else jnp.zeros((1,), jnp.int32)
+    element = elements[leaf_of_row[jnp.maximum(result["row"], 0)]]
+    return dict(result, element=jnp.where(result["row"] >= 0, element, -1))
+
+
+def _first_bad_row(stats: Stats, order: list[int], limit: float | None = None,
+                   prefer_inf: bool = False) -> dict[str, jax.Array]:
+    """:func:`_first_bad` on rows' statistics: ``row``, ``kind``, ``count``, ``amax``."""
+    if not order:
+        return {"row": jnp.int32(-1), "kind": jnp.int32(0), "count": jnp.int32(0),
+                "amax": jnp.float32(0.0)}
+    kind = (stats.inf_count > 0).astype(jnp.int32) + 2 * (stats.nan_count > 0).astype(jnp.int32)
+    if limit is not None:
+        kind = kind + 4 * (jnp.nan_to_num(stats.amax, nan=0.0) > limit).astype(jnp.int32)
+    at = jnp.asarray(order, jnp.int32)
+    kinds_all, amax_all = kind[at], stats.amax[at]
     flags = kinds_all > 0
     pos = jnp.argmax(flags)
     if prefer_inf:
         inf_only = kinds_all == 1
         pos = jnp.where(jnp.any(inf_only), jnp.argmax(inf_only), pos)
     any_bad = jnp.any(flags)
-    row = jnp.where(any_bad, jnp.asarray(order, jnp.int32)[pos], -1)
-    # The first non-finite element of each leaf (flat index in the whole leaf).
-    leaf_of_row = jnp.asarray([r.leaf for r in rows] or [0], jnp.int32)
-    elements = jnp.stack([jnp.argmax(~jnp.isfinite(jnp.ravel(leaf))).astype(jnp.int32)
-                          if jnp.size(leaf) else jnp.zeros((), jnp.int32)
-                          for _, leaf in named]) if named else jnp.zeros((1,), jnp.int32)
-    element = elements[leaf_of_row[jnp.maximum(row, 0)]]
-    return {"row": row, "kind": jnp.where(any_bad, kinds_all[pos], 0),
-            "count": jnp.sum(flags, dtype=jnp.int32), "element": jnp.where(any_bad, element, -1),
-            "amax": jnp.where(any_bad, amax_all[pos], 0.0)}
+    return {"row": jnp.where(any_bad, at[pos], -1), "kind": jnp.where(any_bad, kinds_all[pos], 0),
+            "count": jnp.sum(flags, dtype=jnp.int32),
+            "amax": jnp.where(any_bad, amax_all[pos], 0.0).astype(jnp.float32)}
 
 
 def _forward_order(rows: list[Row], scanned_prefix: Callable[[str], str | None]) -> list[int]:
@@ -352,8 +412,10 @@ class Collector:
       compute_dtype: the dtype the shares and headroom are measured against.
       scanned: path components of ``nn.scan``-stacked modules (axis 0 is the layer).
       explain_skips: search a skipped step's gradients (and activations) for the culprit.
-      activations: ``activations(state, variables, batch, rng) -> tree`` of layer outputs
-        in the order they were computed (:func:`linen_activations`); None: no activations.
+      activations: ``activations(state, variables, batch, rng, reduce) -> tree`` of
+        ``reduce(output)`` for every layer output, in the order they were computed, each
+        reduced where the forward pass computes it (:func:`linen_activations`); None: no
+        activations.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -385,11 +447,8 @@ class Collector:
         """Whether the step gains anything at all."""
         return bool(self.every) or self.explain_skips
 
-    def _named(self, group: str, tree: Any) -> list[tuple[str, Any]]:
-        return ordered_leaves(tree) if group == "activations" else named_leaves(tree)
-
     def step_metrics(self, *, step: jax.Array, params: Any, grads: Any, scale: Any,
-                     bad: jax.Array, forward: Callable[[], Any] | None = None
+                     bad: jax.Array, forward: Callable[[Any], Any] | None = None
                      ) -> dict[str, Any]:
         """The metrics this collector adds to a step (call it under ``jit``).
 
@@ -399,10 +458,16 @@ class Collector:
           grads: the gradients as differentiated (multiplied by ``scale``).
           scale: the loss scale of this step.
           bad: whether the step is skipped (or its loss non-finite): the search's predicate.
-          forward: ``forward() -> tree`` of layer outputs (None: no activations).
+          forward: ``forward(reduce) -> tree`` of ``reduce(output)`` of every layer output,
+            reduced as the forward pass computes it (None: no activations).
         """
         out: dict[str, Any] = {}
         forward = forward if self.activations is not None else None
+        # Each layer output is reduced to its statistics where it is computed, so the
+        # extra forward pass holds no more than one output at a time: on XLA:CPU a
+        # branch holding them all grew the step's scratch memory past malloc's mmap
+        # threshold (32 MiB), and every step, collecting or not, paid fresh page faults.
+        reduce = lambda x: array_stats(x, self.compute_dtype)
         if self.every:
             def collect(_):
                 result = {}
@@ -411,11 +476,12 @@ class Collector:
                     if group == "activations":
                         if forward is None:
                             continue
-                        tree, s = forward(), 1.0
-                    else:
-                        tree, s = trees[group]
+                        result[group], self.rows[group] = reduced_stats(
+                            ordered_leaves(forward(reduce)), self.scanned)
+                        continue
+                    tree, s = trees[group]
                     result[group], self.rows[group] = tree_stats(
-                        self._named(group, tree), self.compute_dtype, s, self.scanned)
+                        named_leaves(tree), self.compute_dtype, s, self.scanned)
                 return result
 
             shapes = jax.eval_shape(collect, None)
@@ -434,11 +500,10 @@ class Collector:
                 result = {"grads": _first_bad(named, rows, list(range(len(rows))),
                                               prefer_inf=True)}
                 if forward is not None:
-                    named = ordered_leaves(forward())
-                    rows = _rows(named, self.scanned)
+                    stats, rows = reduced_stats(ordered_leaves(forward(reduce)), self.scanned)
                     self.rows["activations"] = rows
                     order = _forward_order(rows, _scanned_prefix(self.scanned))
-                    result["activations"] = _first_bad(named, rows, order, limit)
+                    result["activations"] = _first_bad_row(stats, order, limit)
                 return result
 
             shapes = jax.eval_shape(search, None)
@@ -537,16 +602,19 @@ def table(metrics: Mapping[str, Any], rows: Mapping[str, list[Row]]
 
 
 def linen_activations(apply_fn: Callable[..., Any], variables: Mapping[str, Any], *args: Any,
-                      mutable: Sequence[str] = (), **kwargs: Any) -> dict[str, Any]:
-    """Every linen module's ``__call__`` output (but ``nn.Dropout``'s, its input masked), by
-    ``capture_intermediates``, in the order
-    the calls finished (a layer after the layers it calls): ``{path: {"__call__": outputs}}``
-    for :func:`ordered_leaves`.
+                      mutable: Sequence[str] = (), reduce: Callable[[jax.Array], Any] | None = None,
+                      **kwargs: Any) -> dict[str, Any]:
+    """Every linen module's ``__call__`` output (but ``nn.Dropout``'s, its input masked), in
+    the order the calls finished (a layer after the layers it calls):
+    ``{path: {"__call__": outputs}}`` for :func:`ordered_leaves`.
 
     ``apply_fn`` is a linen ``Module.apply`` (e.g. a ``jamp.apply_policy`` model's);
     ``args``/``kwargs`` go to it; ``mutable``: collections the call updates (batch stats).
-    The order is recorded as the calls finish: flax's collections (and JAX's trees) sort
-    their keys, which is not the order of the forward pass.
+    ``reduce``: applied to each floating output where it is computed (e.g.
+    :func:`array_stats`), so the outputs themselves are not kept; the tree holds its
+    results (stacked over the layers of an ``nn.scan``). The order is recorded as the
+    calls finish: flax's collections (and JAX's trees) sort their keys, which is not the
+    order of the forward pass.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -558,10 +626,13 @@ def linen_activations(apply_fn: Callable[..., Any], variables: Mapping[str, Any]
       >>> v = m.init(jax.random.key(0), jnp.ones((1, 3)))
       >>> [n for n, _ in ordered_leaves(linen_activations(m.apply, v, jnp.ones((1, 3))))]
       ['b', 'a', '(output)']
+      >>> out = linen_activations(m.apply, v, jnp.ones((1, 3)), reduce=array_stats)
+      >>> [(n, s.amax.shape) for n, s in ordered_leaves(out)][0]
+      ('b', (1,))
     """
     order: list[tuple[str, ...]] = []
 
-    def capture(module: Any, method_name: str) -> bool:
+    def wanted(module: Any, method_name: str) -> bool:
         if method_name != "__call__" or isinstance(module, nn.Dropout):  # its input, masked
             return False
         path = tuple(module.scope.path) if module.scope is not None else ()
@@ -569,8 +640,21 @@ def linen_activations(apply_fn: Callable[..., Any], variables: Mapping[str, Any]
             order.append(path)
         return True
 
-    _, captured = apply_fn(dict(variables), *args, capture_intermediates=capture,
-                           mutable=[*mutable, "intermediates"], **kwargs)
+    def reduce_floating(y: Any) -> Any:
+        floating = lambda x: hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+        return jax.tree_util.tree_map(lambda x: reduce(x) if floating(x) else None, y)
+
+    def interceptor(next_fun, call_args, call_kwargs, context):
+        y = next_fun(*call_args, **call_kwargs)
+        module = context.module
+        if module.scope is not None and wanted(module, context.method_name):
+            module.sow("intermediates", "__call__", reduce_floating(y))
+        return y
+
+    call = dict(capture_intermediates=wanted) if reduce is None else {}
+    with nn.intercept_methods(interceptor) if reduce is not None else contextlib.nullcontext():
+        _, captured = apply_fn(dict(variables), *args, mutable=[*mutable, "intermediates"],
+                               **call, **kwargs)
     tree, out = captured["intermediates"], {}
     for path in order:
         node = tree

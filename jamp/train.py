@@ -108,8 +108,9 @@ def stats_collector(exp: Experiment) -> tensor_stats.Collector:
     c = exp.config
     activations = None
     if c.tensor_stats_every and c.framework == "linen" and exp.pipeline is None:
-        activations = lambda state, variables, batch, rng: tensor_stats.linen_activations(
-            state.apply_fn, variables, batch["image"], train=True, rngs={"dropout": rng})
+        activations = lambda state, variables, batch, rng, reduce: (
+            tensor_stats.linen_activations(state.apply_fn, variables, batch["image"],
+                                           train=True, rngs={"dropout": rng}, reduce=reduce))
     return tensor_stats.Collector(
         every=int(c.tensor_stats_every), compute_dtype=exp.precision.policy.compute_dtype,
         scanned=("layers",) if c.scan_layers else (), activations=activations)

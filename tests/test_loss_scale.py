@@ -32,6 +32,27 @@ PARAMS = {"w": jnp.zeros((2,), jnp.float32)}
 loss_scale_module = importlib.import_module("jamp.loss_scale")
 
 
+@pytest.fixture(params=["cond", "select"])
+def skip_form(request, monkeypatch):
+    """Runs a test with each form of the exact skip (one device selects; several cond)."""
+    monkeypatch.setattr(loss_scale_module, "_skip_by_select", lambda: request.param == "select")
+    return request.param
+
+
+def test_skip_form_follows_the_device_count_and_shows_in_the_jaxpr(skip_form):
+    tx = DynamicLossScale(optax.adam(1e-2), init_scale=2.0**4)
+    jaxpr = str(jax.make_jaxpr(tx.update)(PARAMS, tx.init(PARAMS), PARAMS))
+    assert ("cond[" in jaxpr) == (skip_form == "cond")
+    assert ("select_n" in jaxpr) or skip_form == "cond"
+
+
+def test_skip_is_a_select_only_when_the_process_sees_one_device(monkeypatch):
+    # Several devices mean collectives, which XLA:CPU deadlocked in the select form.
+    assert jax.device_count() == 8 and not loss_scale_module._skip_by_select()
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    assert loss_scale_module._skip_by_select()
+
+
 def trajectory(tx, flags, params=PARAMS):
     """Runs ``tx`` over finite (True) / overflow (False) steps in one jitted scan.
 
@@ -212,7 +233,7 @@ def test_f16_and_bf16_gradients():
     assert not bool(s.last_finite) and not np.any(np.asarray(updates["w"]))
 
 
-def test_exact_skip_leaves_adam_bit_identical():
+def test_exact_skip_leaves_adam_bit_identical(skip_form):
     params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.ones((3,))}
     tx = DynamicLossScale(optax.adamw(1e-2), init_scale=2.0**8)
     step = jax.jit(tx.update)
@@ -234,7 +255,7 @@ def test_exact_skip_leaves_adam_bit_identical():
 
 
 @pytest.mark.parametrize("mode", ["fp16", "fp16_naive"])
-def test_skip_keeps_negative_zero_parameters_bit_identical(mode):
+def test_skip_keeps_negative_zero_parameters_bit_identical(mode, skip_form):
     # A skip adds -0.0 (p + 0.0 would turn a -0.0 parameter into +0.0).
     import jamp
 
@@ -703,7 +724,7 @@ def test_multi_loss_state_layout_and_helpers():
     assert one.scale.shape == () and loss_scale(one, loss_id=0).shape == ()
 
 
-def test_multi_loss_skip_is_exact_and_sums_unscaled_gradients():
+def test_multi_loss_skip_is_exact_and_sums_unscaled_gradients(skip_form):
     params = {"w": jnp.asarray([1.0, -0.0, 3.0])}
     tx = DynamicLossScale(optax.adam(1e-2), init_scale=2.0**4, num_losses=2)
     state = tx.init(params)

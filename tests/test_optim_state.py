@@ -1,5 +1,6 @@
 """jamp.optim_state: low-precision optimizer state and bf16 master-weight schemes."""
 
+import importlib
 import os
 import tempfile
 
@@ -206,8 +207,14 @@ def test_stochastic_rounding_is_deterministic_from_the_seed_and_sharding_free():
 # ------------------------------------------------------------ loss scale, boost, ZeRO
 
 
-def test_a_skipped_step_leaves_quantized_state_scales_and_remainders_bit_identical():
-    mp = jamp.mixed_precision("bf16_lowmem_exact", loss_scale="dynamic", init_scale=2.0**8)
+@pytest.mark.parametrize("mode,select", [("bf16_lowmem_exact", False),
+                                         ("bf16_lowmem_exact", True), ("bf16_lowmem", True)])
+def test_a_skipped_step_leaves_quantized_state_scales_and_remainders_bit_identical(
+        mode, select, monkeypatch):
+    # Both forms of the skip (a select on one device, a conditional on several).
+    monkeypatch.setattr(importlib.import_module("jamp.loss_scale"), "_skip_by_select",
+                        lambda: select)
+    mp = jamp.mixed_precision(mode, loss_scale="dynamic", init_scale=2.0**8)
     tx = jamp.make_optimizer(mp, optax.adamw(1e-3))
     params = {"w": jax.random.normal(jax.random.key(7), (8, 256)).astype(jnp.bfloat16)}
     state = tx.init(params)
