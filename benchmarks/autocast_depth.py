@@ -4,7 +4,9 @@ Each variant trains the same Equinox model with AdamW in its documented pattern:
 (plain); jamp (``jamp.autocast(loss, "fp16")`` + ``jamp.scale_loss`` +
 ``jamp.make_optimizer``, docs/examples/migrate_equinox.py); mpx
 (``mpx.filter_value_and_grad`` with ``DynamicLossScaling`` + ``mpx.optimizer_update``);
-hand-written float16 (model and batch cast to float16 inside the loss, no loss scale). Per
+hand-written float16 (model and batch cast to float16 inside the loss, no loss scale);
+and a diagnostic, jamp with its sums of float16 values accumulated in float16 as mpx and
+the hand-written model do (``f16_sums_loss``: what jamp's float32 sums cost). Per
 depth: the train step's time and the gradient's alone (jitted, warmed up, timed
 round-robin, median), and the optimised HLO's instruction and ``convert`` counts of the
 gradient. Models: a ViT (patch 4 on 28x28x1, width 128, 4 heads, MLP 256, 10 classes;
@@ -20,6 +22,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import re
 from collections.abc import Callable
@@ -31,9 +34,10 @@ import optax
 
 import jamp
 from benchmarks import common
+from jamp.autocast import Rules, rewrite
 
 F16 = jnp.float16
-VARIANTS = ("fp32", "jamp", "mpx", "hand")
+VARIANTS = ("fp32", "jamp", "mpx", "hand", "jamp_f16_sums")
 
 
 def _eqx():
@@ -122,6 +126,18 @@ def hand_loss(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:
     return cross_entropy(_half(model), x.astype(F16), y)
 
 
+def f16_sums_loss(mp: Any) -> Callable:
+    """A diagnostic: :func:`cross_entropy` under autocast's rules for ``mp`` but with the
+    sums of half-precision values (bias and norm gradients included) accumulated in
+    float16, as mpx and the hand-written model do: what jamp's float32 sums cost.
+
+    Example:
+      >>> loss = f16_sums_loss(jamp.mixed_precision("fp16"))
+    """
+    rules = dataclasses.replace(Rules.for_recipe(mp), cast_inputs=True, float32_sums=False)
+    return rewrite(cross_entropy, rules)
+
+
 def variants(model: Any) -> dict[str, tuple[Callable, Callable, Any]]:
     """Per variant: ``(step(params, opt_state, x, y), grad(params, x, y), opt_state)``,
     both jitted; ``params`` are the model's float32 arrays."""
@@ -143,16 +159,19 @@ def variants(model: Any) -> dict[str, tuple[Callable, Callable, Any]]:
 
         return step, grad, tx.init(params)
 
-    def jamp_grad(p, s, x, y):
-        return jax.grad(lambda p: jamp.scale_loss(half_loss(combine(p), x, y), s))(p)
+    def jamp_variant(loss):
+        def grad(p, s, x, y):
+            return jax.grad(lambda p: jamp.scale_loss(loss(combine(p), x, y), s))(p)
 
-    def jamp_step(p, s, x, y):
-        u, s = tx16.update(jamp_grad(p, s, x, y), s, p)
-        return optax.apply_updates(p, u), s
+        def step(p, s, x, y):
+            u, s = tx16.update(grad(p, s, x, y), s, p)
+            return optax.apply_updates(p, u), s
 
-    out = {"fp32": plain(cross_entropy), "hand": plain(hand_loss)}
-    s16 = tx16.init(params)
-    out["jamp"] = (jamp_step, lambda p, x, y: jamp_grad(p, s16, x, y), s16)
+        s16 = tx16.init(params)
+        return step, lambda p, x, y: grad(p, s16, x, y), s16
+
+    out = {"fp32": plain(cross_entropy), "hand": plain(hand_loss),
+           "jamp": jamp_variant(half_loss), "jamp_f16_sums": jamp_variant(f16_sums_loss(mp))}
     try:
         import mpx
     except ImportError:
@@ -230,11 +249,12 @@ def to_markdown(result: dict[str, Any]) -> str:
     for model, by_depth in result["models"].items():
         lines += [f"## {model}", "", *common.table(
             "blocks | fp32 step ms | jamp step ms | mpx step ms | hand fp16 step ms "
-            "| jamp / mpx | jamp / hand | jamp grad ms | mpx grad ms | jamp HLO | mpx HLO "
-            "| hand HLO", (
+            "| jamp f16-sums step ms | jamp / mpx | jamp / hand | jamp f16-sums / mpx "
+            "| jamp grad ms | mpx grad ms | jamp HLO | mpx HLO | hand HLO", (
                 [depth, *(common.fmt(r.get(v, {}).get("step_ms")) for v in VARIANTS),
                  common.fmt(_ratio(r, "jamp", "mpx", "step_ms"), ".2f", "x"),
                  common.fmt(_ratio(r, "jamp", "hand", "step_ms"), ".2f", "x"),
+                 common.fmt(_ratio(r, "jamp_f16_sums", "mpx", "step_ms"), ".2f", "x"),
                  common.fmt(r["jamp"]["grad_ms"]), common.fmt(r.get("mpx", {}).get("grad_ms")),
                  *(f"{r[v]['grad_hlo_instructions']} / {r[v]['grad_hlo_converts']}"
                    if v in r else "n/a" for v in ("jamp", "mpx", "hand"))]
