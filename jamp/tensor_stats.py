@@ -34,6 +34,7 @@ import contextvars
 import dataclasses
 import math
 import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -758,13 +759,30 @@ def nnx_activations(model: nnx.Module, *args: Any,
     token = _CAPTURING.set(capturing)
     try:
         _, sown = nnx.capture(lambda m: m(*args, **kwargs), _LayerOutput)(copy)
+    except ValueError as e:
+        if "__captures__" not in str(e):
+            raise
+        raise ValueError(f"nnx_activations cannot carry a layer's output out of an NNX "
+                         f"transform: {_BROADCAST}") from e
     finally:
         _CAPTURING.reset(token)
-    out = {}
+    out, lost = {}, []
     for path in capturing.order:
         node = sown
         for part in path:
             node = node[part] if isinstance(node, Mapping) and part in node else None
         if isinstance(node, Mapping) and "__call__" in node:
             out["/".join(map(str, path))] = {"__call__": node["__call__"].get_value()}
+        else:
+            lost.append("/".join(map(str, path)))
+    if lost:
+        warnings.warn(f"nnx_activations: the outputs of {', '.join(lost)} were computed "
+                      f"inside a transform that drops their state, so they have no rows: "
+                      f"{_BROADCAST}", stacklevel=2)
     return out
+
+
+_BROADCAST = ("a module passed to nnx.vmap or nnx.scan with in_axes=None (broadcast) is called "
+              "inside it. Pass it with in_axes=nnx.StateAxes({nnx.Intermediate: 0, ...: None}) "
+              "(its parameters stay broadcast, its outputs are stacked), or collect "
+              "statistics without 'activations'.")

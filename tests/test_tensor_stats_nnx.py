@@ -217,3 +217,22 @@ def test_the_trainer_with_framework_nnx_writes_every_layers_output_statistics(tm
         assert f"encoder/layers/{layer}/mlp/fc1" in names
         assert f"encoder/layers/{layer}/mlp/fc1/kernel" in stats[0]["grads"]
     assert stats[0]["activations"]["encoder/layers/1/mlp/fc1"]["amax"] > 0
+
+
+class _Broadcast(nnx.Module):
+    """A module broadcast into nnx.vmap (in_axes=None): the pattern whose outputs cannot
+    leave the transform, unless its Intermediate state is given an axis."""
+
+    def __init__(self, axes=None):
+        self.lin, self.axes = nnx.Linear(3, 3, rngs=nnx.Rngs(0)), axes
+
+    def __call__(self, x):
+        return nnx.vmap(lambda lin, x: lin(x), in_axes=(self.axes, 0))(self.lin, x)
+
+
+def test_a_module_broadcast_into_a_transform_is_one_clear_error_naming_the_fix():
+    with pytest.raises(ValueError, match=r"in_axes=None \(broadcast\).*nnx.StateAxes"):
+        ts.nnx_activations(_Broadcast(), jnp.ones((2, 3)), reduce=F16)
+    fixed = _Broadcast(nnx.StateAxes({nnx.Intermediate: 0, ...: None}))
+    out = ts.nnx_activations(fixed, jnp.ones((2, 3)), reduce=F16)
+    assert out["lin"]["__call__"][0].amax.shape == (2, 1)  # per vmapped example
