@@ -724,11 +724,19 @@ def nnx_activations(model: nnx.Module, *args: Any,
     to each floating output where it is computed (e.g. :func:`array_stats`), so the
     outputs themselves are not kept; the tree holds its results. A layer called inside
     ``nnx.scan`` or ``nnx.vmap`` over stacked layers gets its results stacked on axis 0
-    (list the stacked component in ``scanned`` to get a row per layer).
+    (name the stacked component in :func:`reduced_stats`' or the :class:`Collector`'s
+    ``scanned`` to get a row per layer: ``encoder/layers/3/mlp/fc1``).
 
     The call runs on ``nnx.clone(model)``, each module's class swapped there for a
     subclass that sows its output (collected with ``nnx.capture``): the model itself is
     left as it was, its state (batch statistics, RNG counts) not advanced.
+
+    Raises:
+      TypeError: ``model`` is not an ``nnx.Module``.
+      ValueError: a module broadcast into ``nnx.vmap`` (``in_axes=None``) is called
+        inside it, so its output cannot leave the transform; the message gives the fix,
+        ``nnx.StateAxes({nnx.Intermediate: 0, ...: None})``. Broadcast into ``nnx.scan``,
+        its output is dropped by the scan: a warning names the layers left without rows.
 
     Example:
       >>> import jax.numpy as jnp
