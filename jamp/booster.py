@@ -196,7 +196,7 @@ def _nnx(model: nnx.Module, mp: MixedPrecision) -> _Model:
         mutable = {"nnx": nnx.to_pure_dict(rest)} if jax.tree_util.tree_leaves(rest) else {}
         return nnx.to_pure_dict(params), extras, mutable
 
-    def apply(variables, inputs, train, rng, mutable):
+    def merged(variables, train, rng):
         state = nnx.merge(graphdef, nn.unbox(variables["params"]),
                           variables.get(fp8.COLLECTION, nnx.to_pure_dict(meta)),
                           nnx.to_pure_dict(streams),
@@ -206,13 +206,22 @@ def _nnx(model: nnx.Module, mp: MixedPrecision) -> _Model:
             # A model with a 'dropout' stream: this step's (and shard's) key.
             with contextlib.suppress(KeyError, ValueError, AttributeError):
                 nnx.reseed(state, dropout=rng)
+        return state
+
+    def apply(variables, inputs, train, rng, mutable):
+        state = merged(variables, train, rng)
         outputs = state(inputs, **train_kwargs(train))
         if not (mutable and train):
             return outputs, {}
         *_, new_rest = nnx.split(state, nnx.Param, fp8.Fp8Meta, nnx.RngState, ...)
         return outputs, {"nnx": nnx.to_pure_dict(new_rest)}
 
-    return _Model(init, apply)
+    def activations(variables, inputs, train, rng, mutable, reduce):
+        del mutable  # the extra forward pass's state updates are dropped
+        return tensor_stats_module.nnx_activations(merged(variables, train, rng), inputs,
+                                                   reduce=reduce, **train_kwargs(train))
+
+    return _Model(init, apply, activations)
 
 
 def _function(fn: Callable, mp: MixedPrecision, params: Any,
@@ -785,7 +794,7 @@ def boost(
         inputs)`` making them.
       seed: the default dropout key's seed (folded with the step).
       tensor_stats: per-layer statistics (:mod:`jamp.tensor_stats`) every this many steps
-        (gradients, parameters and, for linen models, every layer's output), read with
+        (gradients, parameters and, for linen and NNX models, every layer's output), read with
         :meth:`Boosted.stats_table`; 0: none. Either way a skipped step's gradients are
         searched for the first non-finite leaf (:meth:`Boosted.explain`). A
         :class:`jamp.tensor_stats.Collector` sets every detail.

@@ -221,14 +221,9 @@ def _run_mode(config: Any, mode: str, steps: int, layer: str | None = None) -> M
     compute = exp.precision.policy.compute_dtype or jnp.float32
     if jnp.dtype(compute) == jnp.float32:  # would float16 do?
         compute = jnp.float16
-    activations = None
-    if c.framework == "linen" and exp.pipeline is None:
-        activations = lambda state, variables, batch, rng, reduce: (
-            tensor_stats.linen_activations(state.apply_fn, variables, batch["image"],
-                                           train=True, rngs={"dropout": rng}, reduce=reduce))
     collector = tensor_stats.Collector(every=1, compute_dtype=compute,
                                        scanned=("layers",) if c.scan_layers else (),
-                                       activations=activations)
+                                       activations=train.layer_outputs(exp))
     rng = jax.random.key(c.seed)
     with jax.set_mesh(exp.mesh):
         abstract, shardings = state_shardings(exp, rng)

@@ -102,7 +102,10 @@ def functional(model: nnx.Module, *, boxed: bool = False) -> tuple[ApplyFn, dict
     linen's, so ``jamp.train_step``, ``jamp.eval_step`` and a ``TrainState`` use it
     as they use the linen ViT's ``model.apply``; ``rngs={"dropout": key}`` as in
     linen. It is ``nnx.merge`` of the model's graph with ``params``: under ``jit``
-    it traces to the same program as calling the model.
+    it traces to the same program as calling the model. As linen's ``method=``,
+    ``apply_fn(..., method=f)`` returns ``f(model, images, train=..., rngs=...)`` of
+    the merged model instead of its call (e.g.
+    ``functools.partial(jamp.tensor_stats.nnx_activations, reduce=...)``).
 
     A model under mode ``"fp8"`` (delayed scaling) also reads its fp8 state from
     ``variables[jamp.fp8.COLLECTION]`` (:func:`fp8_state` gives the initial one),
@@ -172,7 +175,8 @@ def functional(model: nnx.Module, *, boxed: bool = False) -> tuple[ApplyFn, dict
             params)
 
     def apply_fn(variables: Mapping[str, Any], images: jax.Array, train: bool = False,
-                 rngs: Mapping[str, jax.Array] | jax.Array | None = None) -> jax.Array:
+                 rngs: Mapping[str, jax.Array] | jax.Array | None = None, *,
+                 method: Callable[..., Any] | None = None) -> Any:
         if isinstance(rngs, Mapping):
             rngs = rngs.get("dropout")
         given = variables.get(fp8.COLLECTION, {})
@@ -187,6 +191,8 @@ def functional(model: nnx.Module, *, boxed: bool = False) -> tuple[ApplyFn, dict
         if meta_shapes or not isinstance(given, Mapping) or given:
             _check_fp8(given, meta_shapes)
         inner = nnx.merge(graphdef, nn.unbox(variables["params"]), given, rest)
+        if method is not None:
+            return method(inner, images, train=train, rngs=rngs)
         return inner(images, train=train, rngs=rngs)
 
     return apply_fn, params

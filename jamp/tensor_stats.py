@@ -5,7 +5,7 @@ leaf split over a mesh is reduced exactly once and a replicated leaf is not coun
 per device:
 
 * **Statistics** of every gradient, every parameter and (where the model lets us, see
-  :func:`linen_activations`) every layer's output: :data:`STATISTICS`. A
+  :func:`linen_activations` and :func:`nnx_activations`) every layer's output: :data:`STATISTICS`. A
   :class:`Collector` gathers them every ``every`` steps under a ``lax.cond``; with
   ``every=0`` the step gains no operation at all.
 * **The reason for a skip**: on a step whose gradients (or loss) are not finite, a
@@ -30,8 +30,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import math
+import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -39,10 +42,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 __all__ = ["GROUPS", "STATISTICS", "Collector", "Row", "Stats", "array_stats",
            "check_groups", "check_statistic", "explain", "linen_activations", "named_leaves",
-           "ordered_leaves", "table", "tree_stats"]
+           "nnx_activations", "ordered_leaves", "table", "tree_stats"]
 
 STATISTICS = ("amax", "min_nonzero", "zero_fraction", "underflow_fraction", "flush_fraction",
               "headroom_bits", "nan_count", "inf_count")
@@ -676,3 +680,130 @@ def linen_activations(apply_fn: Callable[..., Any], variables: Mapping[str, Any]
         if isinstance(node, Mapping) and "__call__" in node:
             out["/".join(path)] = {"__call__": node["__call__"]}
     return out
+
+
+class _LayerOutput(nnx.Intermediate):
+    """What :func:`nnx_activations` sows: a layer's (reduced) ``__call__`` output."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Capturing:
+    reduce: Callable[[Any], Any]
+    order: list[tuple[Any, ...]]  # module paths, in the order their calls finished
+
+
+_CAPTURING: contextvars.ContextVar[_Capturing | None] = contextvars.ContextVar(
+    "jamp_nnx_activations", default=None)
+
+
+def _capturing_class(cls: type, path: tuple[Any, ...]) -> type:
+    """A subclass of ``cls`` whose ``__call__`` sows its reduced output (named alike).
+
+    NNX has no method interceptor; a graphdef records each node's type, so a module of
+    this class stays one through ``nnx.split``/``nnx.merge`` and the NNX transforms
+    (``nnx.scan`` stacks what its layers sow, as it stacks their state).
+    """
+
+    def __call__(self, *args, **kwargs):  # noqa: N807
+        y = cls.__call__(self, *args, **kwargs)
+        active = _CAPTURING.get()
+        if active is not None:
+            if path not in active.order:
+                active.order.append(path)
+            self.sow(_LayerOutput, "__call__", active.reduce(y))
+        return y
+
+    def body(ns: dict) -> None:
+        ns.update(__call__=__call__, __module__=cls.__module__, __qualname__=cls.__qualname__,
+                  __doc__=cls.__doc__)
+
+    return types.new_class(cls.__name__, (cls,), {}, body)
+
+
+def _has_call(cls: type) -> bool:
+    return any("__call__" in vars(c) for c in cls.__mro__[:-1])  # object's is not a layer
+
+
+def nnx_activations(model: nnx.Module, *args: Any,
+                    reduce: Callable[[jax.Array], Any] | None = None, **kwargs: Any
+                    ) -> dict[str, Any]:
+    """Every ``nnx.Module``'s ``__call__`` output in ``model(*args, **kwargs)`` (but
+    ``nnx.Dropout``'s, its input masked), in the order the calls finished (a layer after
+    the layers it calls): ``{path: {"__call__": outputs}}`` for :func:`ordered_leaves`,
+    as :func:`linen_activations` gives for linen.
+
+    Paths are the model's graph paths (``"encoder/layers/mlp/fc1"``, list items by
+    index), the model's own output is ``""`` (named ``(output)``). ``reduce``: applied
+    to each floating output where it is computed (e.g. :func:`array_stats`), so the
+    outputs themselves are not kept; the tree holds its results. A layer called inside
+    ``nnx.scan`` or ``nnx.vmap`` over stacked layers gets its results stacked on axis 0
+    (name the stacked component in :func:`reduced_stats`' or the :class:`Collector`'s
+    ``scanned`` to get a row per layer: ``encoder/layers/3/mlp/fc1``).
+
+    The call runs on ``nnx.clone(model)``, each module's class swapped there for a
+    subclass that sows its output (collected with ``nnx.capture``): the model itself is
+    left as it was, its state (batch statistics, RNG counts) not advanced.
+
+    Raises:
+      TypeError: ``model`` is not an ``nnx.Module``.
+      ValueError: a module broadcast into ``nnx.vmap`` (``in_axes=None``) is called
+        inside it, so its output cannot leave the transform; the message gives the fix,
+        ``nnx.StateAxes({nnx.Intermediate: 0, ...: None})``. Broadcast into ``nnx.scan``,
+        its output is dropped by the scan: a warning names the layers left without rows.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> class Net(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.a, self.b = nnx.Linear(2, 1, rngs=rngs), nnx.Linear(3, 2, rngs=rngs)
+      ...     def __call__(self, x):  # "b" runs first
+      ...         return self.a(self.b(x))
+      >>> model = Net(nnx.Rngs(0))
+      >>> [n for n, _ in ordered_leaves(nnx_activations(model, jnp.ones((1, 3))))]
+      ['b', 'a', '(output)']
+      >>> out = nnx_activations(model, jnp.ones((1, 3)), reduce=array_stats)
+      >>> [(n, s.amax.shape) for n, s in ordered_leaves(out)][0]
+      ('b', (1,))
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"nnx_activations expects an nnx.Module, got {type(model).__name__}: "
+                        "use linen_activations for a linen model's apply.")
+    keep = reduce if reduce is not None else (lambda x: x)
+    floating = lambda x: hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+    capturing = _Capturing(
+        lambda y: jax.tree_util.tree_map(lambda x: keep(x) if floating(x) else None, y), [])
+    copy = nnx.clone(model)  # new Variables, the same arrays: nothing of model changes
+    for path, module in list(nnx.iter_modules(copy)):
+        if _has_call(type(module)) and not isinstance(module, nnx.Dropout):
+            object.__setattr__(module, "__class__", _capturing_class(type(module), path))
+    token = _CAPTURING.set(capturing)
+    try:
+        _, sown = nnx.capture(lambda m: m(*args, **kwargs), _LayerOutput)(copy)
+    except ValueError as e:
+        if "__captures__" not in str(e):
+            raise
+        raise ValueError(f"nnx_activations cannot carry a layer's output out of an NNX "
+                         f"transform: {_BROADCAST}") from e
+    finally:
+        _CAPTURING.reset(token)
+    out, lost = {}, []
+    for path in capturing.order:
+        node = sown
+        for part in path:
+            node = node[part] if isinstance(node, Mapping) and part in node else None
+        if isinstance(node, Mapping) and "__call__" in node:
+            out["/".join(map(str, path))] = {"__call__": node["__call__"].get_value()}
+        else:
+            lost.append("/".join(map(str, path)))
+    if lost:
+        warnings.warn(f"nnx_activations: the outputs of {', '.join(lost)} were computed "
+                      f"inside a transform that drops their state, so they have no rows: "
+                      f"{_BROADCAST}", stacklevel=2)
+    return out
+
+
+_BROADCAST = ("a module passed to nnx.vmap or nnx.scan with in_axes=None (broadcast) is called "
+              "inside it. Pass it with in_axes=nnx.StateAxes({nnx.Intermediate: 0, ...: None}) "
+              "(its parameters stay broadcast, its outputs are stacked), or collect "
+              "statistics without 'activations'.")

@@ -28,6 +28,7 @@ logical axis rules ``jit_train_step(exp, shardings)(state, batch, rng)``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -94,10 +95,39 @@ def mesh_value_and_grad(exp: Experiment, shardings: Any, plan: zero.Plan | None 
                              pipelined=exp.pipeline is not None)
 
 
+def layer_outputs(exp: Experiment) -> Callable[..., Any] | None:
+    """The :class:`jamp.tensor_stats.Collector`'s ``activations`` for the run's model:
+    every layer's output, reduced where the forward pass computes it
+    (:func:`jamp.tensor_stats.linen_activations`, or
+    :func:`jamp.tensor_stats.nnx_activations` with ``--config.framework=nnx``); None in a
+    pipeline (its stages run the layers).
+
+    Example:
+      >>> from jamp.config import vit_config
+      >>> from jamp.experiment import build_experiment
+      >>> config = vit_config("fp16")
+      >>> config.framework = "nnx"
+      >>> layer_outputs(build_experiment(config)).__name__
+      'nnx_outputs'
+    """
+    if exp.pipeline is not None:
+        return None
+    if exp.config.framework == "nnx":
+        def nnx_outputs(state, variables, batch, rng, reduce):
+            capture = functools.partial(tensor_stats.nnx_activations, reduce=reduce)
+            return state.apply_fn(variables, batch["image"], train=True, rngs={"dropout": rng},
+                                  method=capture)
+
+        return nnx_outputs
+    return lambda state, variables, batch, rng, reduce: tensor_stats.linen_activations(
+        state.apply_fn, variables, batch["image"], train=True, rngs={"dropout": rng},
+        reduce=reduce)
+
+
 def stats_collector(exp: Experiment) -> tensor_stats.Collector:
     """The run's :class:`jamp.tensor_stats.Collector`: statistics every
-    ``config.tensor_stats_every`` steps (linen, unpipelined: also every layer's output),
-    and the reason of every skipped or non-finite step.
+    ``config.tensor_stats_every`` steps (unpipelined: also every layer's output,
+    :func:`layer_outputs`), and the reason of every skipped or non-finite step.
 
     Example:
       >>> from jamp.config import vit_config
@@ -106,11 +136,7 @@ def stats_collector(exp: Experiment) -> tensor_stats.Collector:
       0
     """
     c = exp.config
-    activations = None
-    if c.tensor_stats_every and c.framework == "linen" and exp.pipeline is None:
-        activations = lambda state, variables, batch, rng, reduce: (
-            tensor_stats.linen_activations(state.apply_fn, variables, batch["image"],
-                                           train=True, rngs={"dropout": rng}, reduce=reduce))
+    activations = layer_outputs(exp) if c.tensor_stats_every else None
     return tensor_stats.Collector(
         every=int(c.tensor_stats_every), compute_dtype=exp.precision.policy.compute_dtype,
         scanned=("layers",) if c.scan_layers else (), activations=activations)
