@@ -41,6 +41,7 @@ Example (ZeRO-3 over every device, a NaN batch skipped):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import inspect
@@ -465,11 +466,15 @@ class Boosted:
         """Writes a step's ``metrics`` to ``log_dir`` as the trainer does: ``metrics.jsonl``
         and TensorBoard (:mod:`jamp.boost_log`).
 
-        Each call: the scalars (``train/loss``, ``train/loss_scale``,
+        Each step: the scalars (``train/loss``, ``train/loss_scale``,
         ``train/steps_skipped``, ``train/grad_norm``, the loss function's metrics); a
         skipped step: ``train/skip_reasons`` (:meth:`explain`, also TensorBoard text); a step
         that collected statistics: ``tensor_stats.jsonl``, per-layer scalars and histograms.
-        Only that is fetched from the device (the scalars wait for the step to finish).
+        Only that is fetched from the device.
+
+        A call holds its metrics and writes the previous call's, which are ready by then:
+        the fetch does not wait for the step just dispatched, so logging every step keeps
+        the device busy. :meth:`close` (or the interpreter's exit) writes the last one.
         Nothing happens without ``log_dir`` or on a process other than 0. An existing
         ``log_dir`` is appended to.
 
@@ -495,27 +500,42 @@ class Boosted:
           >>> read_metrics(log_dir)[0]["train/loss_scale"]
           1024.0
         """
+        step = boost_log.check_step(step)  # on every process; a refused call opens nothing
+        boost_log.check_metrics(metrics, prefix)
         if self.log_dir is None or jax.process_index() != 0:
             return
-        boost_log.check_step(step)  # a refused call opens nothing
-        boost_log.check_metrics(metrics, prefix)
-        writer = self._writer.get("writer")
-        if writer is None:
-            writer = self._writer["writer"] = MetricsWriter(self.log_dir)
+        if "writer" not in self._writer:
+            self._writer["writer"] = MetricsWriter(self.log_dir)
+            atexit.register(self.close)  # the last held-back step, if close() is forgotten
+        self._write_pending()
+        self._writer["pending"] = (step, dict(metrics), prefix)
+
+    def _write_pending(self) -> None:
+        """Writes the metrics the last :meth:`log` call held back, if any."""
+        pending = self._writer.pop("pending", None)
+        if pending is None:
+            return
         shardings = self._built.get("shardings")
         if shardings is not None:
             shardings = jax.tree_util.tree_leaves(shardings.params)
-        boost_log.write_step(writer, step, metrics, collector=self.tensor_stats,
-                             shardings=shardings, prefix=prefix)
+        step, metrics, prefix = pending
+        boost_log.write_step(self._writer["writer"], step, metrics,
+                             collector=self.tensor_stats, shardings=shardings, prefix=prefix)
 
     def close(self) -> None:
-        """Flushes and closes what :meth:`log` opened (a later :meth:`log` appends).
+        """Writes what :meth:`log` held back, then flushes and closes its files (a later
+        :meth:`log` appends to them).
 
         Example: see :meth:`log`.
         """
-        writer = self._writer.pop("writer", None)
-        if writer is not None:
-            writer.close()
+        writer = self._writer.get("writer")
+        if writer is None:
+            return
+        atexit.unregister(self.close)
+        try:
+            self._write_pending()
+        finally:
+            self._writer.pop("writer").close()
 
     def _plan(self, abstract: Any, shardings: Any, inputs: Any) -> zero.Plan:
         params = abstract.params

@@ -80,9 +80,10 @@ def run(tmp_path_factory):
             fetches.append([])
             b.log(i + 1, metrics)
             steps.append(real(metrics))
+        fetches.append([])
+        b.close()  # writes the step the last log call held back
     finally:
         boost_log.jax.device_get = real
-    b.close()
     return b, log_dir, fetches, steps
 
 
@@ -148,14 +149,17 @@ def test_collected_steps_write_the_trainers_tensor_stats(run):
                 assert got[key] == pytest.approx(v, rel=1e-6), key
 
 
-def test_a_log_fetches_only_what_it_writes(run):
+def test_a_log_fetches_only_what_it_writes_one_call_late(run):
+    """Each call writes the previous call's step (ready by then: no wait on the running
+    step), close() the last; the leaves fetched for each step are those written."""
     _, _, fetches, _ = run
     scalars = len(_SCALARS) + 2  # + the skipped and collected flags
     assert fetches == [
-        [scalars, 3 * 8],  # collected: + 3 groups x 8 statistics
-        [scalars, 5 + 4],  # skipped: + the gradient and activation search results
-        [scalars, 3 * 8],
-        [scalars],  # finite, not collected: the scalars only
+        [],  # log(1): held
+        [scalars, 3 * 8],  # log(2) writes step 1, collected: + 3 groups x 8 statistics
+        [scalars, 5 + 4],  # step 2, skipped: + the gradient and activation search results
+        [scalars, 3 * 8],  # step 3, collected
+        [scalars],  # close() writes step 4, finite, not collected: the scalars only
     ]
 
 
