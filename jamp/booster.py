@@ -348,7 +348,8 @@ class Boosted:
     tensor_stats: tensor_stats_module.Collector | None = None
     log_dir: str | None = None
     _built: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
-    _writer: dict[str, MetricsWriter] = dataclasses.field(default_factory=dict, repr=False)
+    _writer: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    """:meth:`log`'s open ``MetricsWriter`` and the step it holds back."""
 
     # ------------------------------------------------------------------ state
 

@@ -19,7 +19,7 @@ import pytest
 
 import jamp
 from jamp import boost_log
-from jamp.metrics import json_safe, read_metrics
+from jamp.metrics import MetricsWriter, json_safe, read_metrics
 
 
 class _Net(nn.Module):
@@ -161,6 +161,18 @@ def test_a_log_fetches_only_what_it_writes_one_call_late(run):
         [scalars, 3 * 8],  # step 3, collected
         [scalars],  # close() writes step 4, finite, not collected: the scalars only
     ]
+
+
+def test_a_non_finite_loss_without_a_loss_scale_names_where(run, tmp_path):
+    """bf16/fp32 (no loss scale) never skip: a NaN loss gets the same search's sentence."""
+    b, _, _, steps = run
+    writer = MetricsWriter(str(tmp_path))
+    boost_log.write_step(writer, 2, {**steps[1], "skipped": np.bool_(False)},
+                         collector=b.tensor_stats)
+    writer.close()
+    (row,) = read_metrics(str(tmp_path))
+    assert row["train/non_finite_reason"] == f"step 2: loss nan: {b.explain(steps[1])}"
+    assert "train/skip_reasons" not in row
 
 
 class _Unfetchable:
