@@ -16,8 +16,9 @@ directory given as ``jamp.boost(..., log_dir=...)``:
   (:meth:`jamp.metrics.MetricsWriter.write_tensor_stats`).
 
 Only what is written leaves the device: the scalars in one ``jax.device_get`` (which waits
-for the step to finish); the statistics only on a collected step, the skip search's
-result only on a skipped one.
+for the step to finish: ``Boosted.log`` calls this one call late, when it has); the
+statistics only on a collected step, the skip search's result only on a skipped one (or
+a non-finite loss).
 
 Example:
   >>> import tempfile, jax.numpy as jnp
