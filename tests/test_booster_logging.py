@@ -2,8 +2,9 @@
 text and histograms, and tensor_stats.jsonl, read back from the files; nothing written when
 disabled or off process 0; only what is written fetched; bad values one clear error.
 
-One tiny linen model, compiled once for the module: four fp16 steps with statistics every 2
-steps (state.step 0 and 2 collect), the second batch NaN (skipped).
+One tiny linen model, compiled once for the module: four fp16 steps at ZeRO-3 over 2 devices
+with statistics every 2 steps (state.step 0 and 2 collect), the second batch NaN (skipped:
+the reason names the device holding the first NaN element).
 """
 
 import math
@@ -61,7 +62,8 @@ def _read_events(log_dir):
 def run(tmp_path_factory):
     """Four logged steps; the fetches of each log call, and each step's fetched metrics."""
     log_dir = tmp_path_factory.mktemp("boost_log") / "run"  # created by jamp.boost
-    b = jamp.boost(_Net(), optax.adam(1e-3), _loss, "fp16", tensor_stats=2, log_dir=log_dir)
+    b = jamp.boost(_Net(), optax.adam(1e-3), _loss, "fp16", tensor_stats=2, log_dir=log_dir,
+                   mesh={"data": 2}, zero_stage=3)
     assert log_dir.is_dir()
     batch = (jnp.ones((4, 3)), jnp.zeros((4, 2)))
     nan = (batch[0].at[0, 0].set(jnp.nan), batch[1])
@@ -94,8 +96,8 @@ def test_scalars_and_the_skip_reason_reach_metrics_jsonl_and_tensorboard(run):
     assert [sorted(set(r) - {"step"}) for r in rows] == [
         _SCALARS, sorted([*_SCALARS, "train/skip_reasons"]), _SCALARS, _SCALARS]
     reason = f"step 2 skipped: {b.explain(steps[1])}"
-    assert reason == ("step 2 skipped: NaN in the gradient of enc/kernel (element (0, 0); "
-                      "2 more non-finite); forward: NaN in the output of enc")
+    assert reason == ("step 2 skipped: NaN in the gradient of enc/kernel (element (0, 0), "
+                      "on device 0; 2 more non-finite); forward: NaN in the output of enc")
     assert rows[1]["train/skip_reasons"] == [reason]
     for row, m in zip(rows, steps, strict=True):
         for name in _SCALARS:
@@ -171,7 +173,9 @@ def test_a_non_finite_loss_without_a_loss_scale_names_where(run, tmp_path):
                          collector=b.tensor_stats)
     writer.close()
     (row,) = read_metrics(str(tmp_path))
-    assert row["train/non_finite_reason"] == f"step 2: loss nan: {b.explain(steps[1])}"
+    assert row["train/non_finite_reason"] == (  # no shardings given: no device named
+        "step 2: loss nan: NaN in the gradient of enc/kernel (element (0, 0); 2 more "
+        "non-finite); forward: NaN in the output of enc")
     assert "train/skip_reasons" not in row
 
 
