@@ -14,6 +14,8 @@ gradient-accumulation count. It returns a :class:`Boosted` with what a loop need
   ``grad_norm``, ``num_zeros_in_grad``, ...). A non-finite gradient skips the step
   exactly: params, master copy, optimizer, fp8 and batch-norm state stay bit-identical;
 - ``eval_step(state, batch)``: the loss (and metrics) without dropout;
+- ``log(step, metrics)``: with ``log_dir=``, the trainer's ``metrics.jsonl``, TensorBoard
+  scalars, skip reasons and per-layer statistics (:mod:`jamp.boost_log`);
 - ``save(directory, state)`` / ``restore(directory)``: the whole state, with orbax.
 
 It is assembled from jamp's public pieces, which stay available for a loop of your
@@ -39,6 +41,7 @@ Example (ZeRO-3 over every device, a NaN batch skipped):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import inspect
@@ -55,10 +58,11 @@ import orbax.checkpoint as ocp
 from flax import nnx, struct
 from flax.training import train_state
 
-from jamp import fp8, grad_accum, optim_state, parallel
+from jamp import boost_log, fp8, grad_accum, optim_state, parallel
 from jamp import tensor_stats as tensor_stats_module
 from jamp.apply import PolicyModule, apply_policy
 from jamp.autocast import autocast
+from jamp.metrics import MetricsWriter
 from jamp.parallel import zero
 from jamp.parallel.read_dtypes import read_dtypes
 from jamp.policy import MixedPrecision, to_mixed_precision
@@ -334,6 +338,7 @@ class Boosted:
       mesh: the device mesh (None: one device, plain ``jax.jit``).
       zero_stage: the ZeRO stage over the mesh's 'data' axis.
       accumulate: micro-batches per optimizer step.
+      log_dir: where :meth:`log` writes (None: nowhere).
 
     Example: see the module docstring.
     """
@@ -350,7 +355,10 @@ class Boosted:
     targets: Callable[[Any], Any]
     seed: int
     tensor_stats: tensor_stats_module.Collector | None = None
+    log_dir: str | None = None
     _built: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    _writer: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    """:meth:`log`'s open ``MetricsWriter`` and the step it holds back."""
 
     # ------------------------------------------------------------------ state
 
@@ -463,6 +471,81 @@ class Boosted:
         """
         return tensor_stats_module.table(metrics, {} if self.tensor_stats is None
                                   else self.tensor_stats.rows)
+
+    def log(self, step: int, metrics: Mapping[str, Any], prefix: str = "train/") -> None:
+        """Writes a step's ``metrics`` to ``log_dir`` as the trainer does: ``metrics.jsonl``
+        and TensorBoard (:mod:`jamp.boost_log`).
+
+        Each step: the scalars (``train/loss``, ``train/loss_scale``,
+        ``train/steps_skipped``, ``train/grad_norm``, the loss function's metrics); a
+        skipped step: ``train/skip_reasons`` (:meth:`explain`, also TensorBoard text); a step
+        that collected statistics: ``tensor_stats.jsonl``, per-layer scalars and histograms.
+        Only that is fetched from the device.
+
+        A call holds its metrics and writes the previous call's, which are ready by then:
+        the fetch does not wait for the step just dispatched, so logging every step keeps
+        the device busy. :meth:`close` (or the interpreter's exit) writes the last one.
+        Nothing happens without ``log_dir`` or on a process other than 0. An existing
+        ``log_dir`` is appended to.
+
+        Args:
+          step: the step number (>= 0), e.g. the loop's counter.
+          metrics: what :meth:`step` (or :meth:`eval_step`) returned.
+          prefix: put before each name; ``"eval/"`` for :meth:`eval_step`'s metrics.
+
+        Raises:
+          ValueError / TypeError: a negative or non-integer step, metrics that are not a
+            step's (a non-scalar value).
+
+        Example:
+          >>> import tempfile, jax, jax.numpy as jnp, flax.linen as nn, optax, jamp
+          >>> from jamp.metrics import read_metrics
+          >>> log_dir = tempfile.mkdtemp()
+          >>> b = jamp.boost(nn.Dense(1), optax.sgd(0.1), lambda y, t: jnp.mean((y - t) ** 2),
+          ...                jamp.mixed_precision("fp16", init_scale=1024.0), log_dir=log_dir)
+          >>> batch = (jnp.ones((4, 2)), jnp.ones((4, 1)))
+          >>> state, metrics = b.step(b.init(jax.random.key(0), batch), batch)
+          >>> b.log(1, metrics)
+          >>> b.close()
+          >>> read_metrics(log_dir)[0]["train/loss_scale"]
+          1024.0
+        """
+        step = boost_log.check_step(step)  # on every process; a refused call opens nothing
+        boost_log.check_metrics(metrics, prefix)
+        if self.log_dir is None or jax.process_index() != 0:
+            return
+        if "writer" not in self._writer:
+            self._writer["writer"] = MetricsWriter(self.log_dir)
+            atexit.register(self.close)  # the last held-back step, if close() is forgotten
+        self._write_pending()
+        self._writer["pending"] = (step, dict(metrics), prefix)
+
+    def _write_pending(self) -> None:
+        """Writes the metrics the last :meth:`log` call held back, if any."""
+        pending = self._writer.pop("pending", None)
+        if pending is None:
+            return
+        shardings = self._built.get("shardings")
+        if shardings is not None:
+            shardings = jax.tree_util.tree_leaves(shardings.params)
+        step, metrics, prefix = pending
+        boost_log.write_step(self._writer["writer"], step, metrics,
+                             collector=self.tensor_stats, shardings=shardings, prefix=prefix)
+
+    def close(self) -> None:
+        """Writes what :meth:`log` held back, then flushes and closes its files (a later
+        :meth:`log` appends to them).
+
+        Example: see :meth:`log`.
+        """
+        writer = self._writer.get("writer")
+        if writer is None:
+            return
+        atexit.unregister(self.close)
+        try:
+            self._write_pending()
+        finally:
+            self._writer.pop("writer").close()
 
     def _plan(self, abstract: Any, shardings: Any, inputs: Any) -> zero.Plan:
         params = abstract.params
@@ -758,6 +841,7 @@ def boost(
     init_params: Callable | None = None,
     seed: int = 0,
     tensor_stats: int | tensor_stats_module.Collector = 0,
+    log_dir: str | os.PathLike | None = None,
 ) -> Boosted:
     """Colossal-AI's ``Booster(...).boost(model, optimizer, criterion)`` for JAX.
 
@@ -798,14 +882,19 @@ def boost(
         :meth:`Boosted.stats_table`; 0: none. Either way a skipped step's gradients are
         searched for the first non-finite leaf (:meth:`Boosted.explain`). A
         :class:`jamp.tensor_stats.Collector` sets every detail.
+      log_dir: where :meth:`Boosted.log` writes ``metrics.jsonl``, TensorBoard events
+        (``tensorboard/``) and ``tensor_stats.jsonl``, from process 0; created if missing,
+        appended to if not. None: ``log`` writes nothing.
 
     Returns:
       A :class:`Boosted`: ``init(rng, batch)``, ``step(state, batch)``,
-      ``eval_step(state, batch)``, ``save(dir, state)``, ``restore(dir)``.
+      ``eval_step(state, batch)``, ``log(step, metrics)``, ``save(dir, state)``,
+      ``restore(dir)``.
 
     Raises:
       ValueError / TypeError: one message naming the fix, for an unknown model kind,
-        mode, mesh, ZeRO stage or accumulation count, before anything is traced.
+        mode, mesh, ZeRO stage or accumulation count, or a ``log_dir`` that is a file or
+        cannot be written, before anything is traced.
 
     Example: see the module docstring.
     """
@@ -826,6 +915,7 @@ def boost(
         raise TypeError(f"optimizer must be an optax GradientTransformation, e.g. "
                         f"optax.adamw(1e-3); got {type(optimizer).__name__}.")
     adapter = _adapter(model, mp, params, init_params)
+    log_dir = boost_log.check_log_dir(log_dir)
     zeros = bool(log_num_zeros_in_grad) or mp.log_num_zeros_in_grad  # the seed's naive key
     collector = tensor_stats
     if not isinstance(collector, tensor_stats_module.Collector):
@@ -833,4 +923,4 @@ def boost(
             every=collector, compute_dtype=mp.policy.compute_dtype or jnp.float32)
     return Boosted(mp, the_mesh, stage, accumulate, zeros, adapter,
                    make_optimizer(mp, optimizer, seed=seed), loss_fn, _getter(inputs, "inputs"),
-                   _getter(targets, "targets"), seed, collector)
+                   _getter(targets, "targets"), seed, collector, log_dir)

@@ -80,7 +80,8 @@ class MetricsWriter:
             self._scalars(record)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        """Records scalar ``metrics`` at ``step``."""
+        """Records ``metrics`` at ``step``: numbers as scalars, strings (or lists of
+        strings) as TensorBoard text."""
         if not self.enabled:
             return
         record = {"step": int(step), **{k: _py(v) for k, v in metrics.items()}}
@@ -129,10 +130,18 @@ class MetricsWriter:
         self._tb.flush()
 
     def _scalars(self, record: dict[str, Any]) -> None:
+        """TensorBoard: finite numbers as scalars; text (a string, or a list of strings
+        such as ``train/skip_reasons``) as TensorBoard text, one paragraph per string."""
         if self._tb is not None:
             for k, v in record.items():
-                if k != "step" and isinstance(v, int | float) and math.isfinite(v):
+                if k == "step":
+                    continue
+                if isinstance(v, int | float) and math.isfinite(v):
                     self._tb.add_scalar(k, v, record["step"])
+                elif isinstance(v, str) or (isinstance(v, list) and v
+                                            and all(isinstance(t, str) for t in v)):
+                    self._tb.add_text(k, v if isinstance(v, str) else "\n\n".join(v),
+                                      record["step"])
             self._tb.flush()
 
     def close(self) -> None:
