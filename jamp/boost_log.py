@@ -166,8 +166,7 @@ def write_step(writer: MetricsWriter, step: int, metrics: Mapping[str, Any], *,
     else:
         why = None
     if skipped:
-        record[prefix + "skip_reasons"] = [f"step {step} skipped: "
-                                           f"{why or 'non-finite gradients'}"]
+        record[prefix + "skip_reasons"] = [tensor_stats.skip_line(step, why)]
     elif non_finite:
         record[prefix + "non_finite_reason"] = f"step {step}: loss {float(loss)}" + (
             f": {why}" if why else "")

@@ -46,7 +46,7 @@ from flax import nnx
 
 __all__ = ["GROUPS", "STATISTICS", "Collector", "Row", "Stats", "array_stats",
            "check_groups", "check_statistic", "explain", "linen_activations", "named_leaves",
-           "nnx_activations", "ordered_leaves", "table", "tree_stats"]
+           "nnx_activations", "ordered_leaves", "skip_line", "table", "tree_stats"]
 
 STATISTICS = ("amax", "min_nonzero", "zero_fraction", "underflow_fraction", "flush_fraction",
               "headroom_bits", "nan_count", "inf_count")
@@ -549,6 +549,17 @@ def _devices(sharding: Any, shape: tuple[int, ...], index: tuple[int, ...]) -> s
     if not held or len(held) == len(where):  # one device, or every device holds it
         return ""
     return f", on device{'s' if len(held) > 1 else ''} {','.join(map(str, held))}"
+
+
+def skip_line(step: int, reason: str | None) -> str:
+    """The sentence a skipped step gets in metrics.jsonl, TensorBoard, the progress line and
+    the run summary (the trainer's and ``jamp.boost``'s logs alike).
+
+    Example:
+      >>> skip_line(12, None)
+      'step 12 skipped: non-finite gradients'
+    """
+    return f"step {step} skipped: {reason or 'non-finite gradients'}"
 
 
 def explain(metrics: Mapping[str, Any], rows: Mapping[str, list[Row]],

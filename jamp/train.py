@@ -449,8 +449,8 @@ def _skip_reasons(run: _Run, done: int, fetched: list[dict[str, Any]]) -> list[s
     for i, m in enumerate(fetched):
         if "skip" not in m or not bool(m.get("skipped", False)):
             continue
-        why = run.collector.explain(m) or "non-finite gradients"
-        reasons.append(f"step {done - len(fetched) + i + 1} skipped: {why}")
+        reasons.append(tensor_stats.skip_line(done - len(fetched) + i + 1,
+                                              run.collector.explain(m)))
     run.skip_reasons.extend(reasons)
     return reasons
 
