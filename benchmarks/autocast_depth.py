@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import re
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,10 +38,6 @@ from jamp.autocast import Rules, rewrite
 
 F16 = jnp.float16
 VARIANTS = ("fp32", "jamp", "mpx", "hand", "jamp_f16_sums")
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-CLOCK_NAMES = {"wall": "wall time", "cpu": "process CPU time, all threads"}
-"""``--clock``: wall time, or the process's CPU time (all its threads; a shared machine's
-other processes disturb it far less)."""
 
 
 def _eqx():
@@ -210,8 +205,7 @@ def hlo_counts(fn: Callable, *args: Any) -> tuple[int, int]:
     return len(lines), sum(" convert(" in line for line in lines)
 
 
-def measure(model_name: str, depth: int, size: int, steps: int, warmup: int,
-            clock: str = "wall") -> dict:
+def measure(model_name: str, depth: int, size: int, steps: int, warmup: int) -> dict:
     """One depth: per variant the median step and gradient times (ms) and HLO counts."""
     eqx = _eqx()
     model = (vit if model_name == "vit" else mlp)(depth, jax.random.key(0))
@@ -230,8 +224,7 @@ def measure(model_name: str, depth: int, size: int, steps: int, warmup: int,
         runs[f"{name}/grad"] = lambda grad=grad: jax.block_until_ready(grad(params, x, y))
         ins, conv = hlo_counts(grad, params, x, y)
         rows[name] = dict(grad_hlo_instructions=ins, grad_hlo_converts=conv)
-    times = common.time_steps(runs, warmup=warmup, steps=steps, rotate=True,
-                              clock=CLOCKS[clock])
+    times = common.time_steps(runs, warmup=warmup, steps=steps, rotate=True)
     for key, ts in times.items():
         name, what = key.split("/")
         rows[name][f"{what}_ms"] = common.summarize_times(ts, size)["step_ms"]
@@ -250,7 +243,6 @@ def to_markdown(result: dict[str, Any]) -> str:
              f"{result['machine']['load_avg_1m']}; jax {result['jax']}, equinox "
              f"{result['equinox']}, mpx {result['mpx']}",
              f"- batch {result['batch']}, AdamW; median of {result['steps']} timed rounds "
-             f"({CLOCK_NAMES[result.get('clock', 'wall')]}) "
              f"after {result['warmup']}, variants interleaved; HLO: the gradient's optimised "
              "module (instructions / converts). XLA:CPU computes float16 by upcasting: the "
              "ratios compare costs of the same graph shapes, not GPU speed.", ""]
@@ -284,18 +276,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--models", type=common.split, default=["vit", "mlp"])
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="depths 1,2, batch 4, one round")
-    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                    help="wall time, or the process's CPU time (a shared machine)")
     args = ap.parse_args(argv)
     if args.quick:
         args.depths, args.batch, args.steps, args.warmup, args.no_write = ["1", "2"], 4, 1, 1, True
     result = dict(**common.header("autocast_depth", argv), equinox=_version("equinox"),
                   mpx=_version("mixed-precision-for-jax"), batch=args.batch, steps=args.steps,
-                  warmup=args.warmup, clock=args.clock, models={})
+                  warmup=args.warmup, models={})
     for model in args.models:
         result["models"][model] = {}
         for depth in map(int, args.depths):
-            rows = measure(model, depth, args.batch, args.steps, args.warmup, args.clock)
+            rows = measure(model, depth, args.batch, args.steps, args.warmup)
             result["models"][model][depth] = rows
             print(model, depth, {v: (round(r["step_ms"], 1), r["grad_hlo_instructions"])
                                  for v, r in rows.items()}, flush=True)

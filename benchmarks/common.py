@@ -74,11 +74,8 @@ def mfu(images_per_sec: float | None, flops_per_image: float, peak: float | None
 
 
 def time_steps(runs: dict[str, Callable[[], Any]], *, warmup: int, steps: int,
-               rotate: bool = False, clock: Callable[[], float] = time.perf_counter
-               ) -> dict[str, list[float]]:
-    """Calls each of ``runs`` in turn, ``warmup + steps`` rounds; the timed wall times (s),
-    or ``clock``'s (``time.process_time``: the CPU time of all this process's threads,
-    which other processes on a shared machine disturb far less than the wall clock).
+               rotate: bool = False) -> dict[str, list[float]]:
+    """Calls each of ``runs`` in turn, ``warmup + steps`` rounds; the timed wall times (s).
 
     Each run must block until its work is done (``block_until_ready`` /
     ``torch.cuda.synchronize``) so each time is its own; taking them in turn lets drift
@@ -93,10 +90,10 @@ def time_steps(runs: dict[str, Callable[[], Any]], *, warmup: int, steps: int,
     for i in range(warmup + steps):
         k = i % len(runs) if rotate else 0
         for name in list(runs)[k:] + list(runs)[:k]:
-            t0 = clock()
+            t0 = time.perf_counter()
             runs[name]()
             if i >= warmup:
-                times[name].append(clock() - t0)
+                times[name].append(time.perf_counter() - t0)
     return times
 
 
