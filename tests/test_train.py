@@ -463,6 +463,8 @@ def test_tensor_stats_and_skip_reasons_reach_metrics_tensorboard_and_summary(tmp
     events = b"".join((tmp_path / "tensorboard" / name).read_bytes() for name in _events(tmp_path))
     assert b"tensor_stats/params/log2_amax" in events  # a histogram
     assert b"tensor_stats/activations/amax/encoder/layers/0/MlpBlock_0/Dense_0" in events
+    # The reasons reach TensorBoard as text, word for word.
+    assert b"train/skip_reasons" in events and reasons[0].encode() in events
 
 
 class _Iterable:
