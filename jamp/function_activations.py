@@ -78,14 +78,17 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_library(path: str) -> bool:
+    return path.startswith("<frozen") or os.path.realpath(path).startswith(_library_dirs())
+
+
 def _user_line(eqn: jex.JaxprEqn) -> str:
     """``file.py:LINE`` of the innermost frame of ``eqn``'s traceback outside the libraries."""
     traceback = eqn.source_info.traceback
     for frame in getattr(traceback, "frames", None) or ():
-        path = frame.file_name
-        if path.startswith("<frozen") or os.path.realpath(path).startswith(_library_dirs()):
-            continue
-        return f"{os.path.basename(path)}:{frame.line_num}"
+        if not _is_library(frame.file_name):
+            return f"{os.path.basename(frame.file_name)}:{frame.line_num}"
     return "?"
 
 
