@@ -34,7 +34,7 @@ def mlp(p, x):
             h = jax.nn.relu(x @ p["w1"])
         with jax.named_scope("attn"):
             h = (h @ h.T) @ h  # two matmuls in one scope
-    y = jax.jit(_head)(p["w2"], h)  # a nested jit: evaluated inline, its scope kept
+        y = jax.jit(_head)(p["w2"], h)  # a nested jit: evaluated inline, under mlp/
     return y + x @ p["skip"]  # unscoped
 
 
@@ -56,8 +56,8 @@ def _direct(p, x):
 
 
 NAMES = ["mlp/fc1/dot_general", "mlp/attn/dot_general", "mlp/attn/dot_general#2",
-         "head/dot_general", f"test_tensor_stats_functions.py:{_line('# unscoped')} dot_general",
-         "(output)"]
+         "mlp/head/dot_general",
+         f"test_tensor_stats_functions.py:{_line('# unscoped')} dot_general", "(output)"]
 
 
 def test_matmul_outputs_are_the_forward_pass_values_named_in_order():
