@@ -84,6 +84,32 @@ def test_matmul_outputs_are_the_forward_pass_values_named_in_order():
     assert list(function_activations(mlp, P, X)) == list(reduced)
 
 
+@jax.custom_vjp
+def _custom(h, w):
+    with jax.named_scope("custom"):
+        return h @ w
+
+
+_custom.defvjp(lambda h, w: (_custom(h, w), (h, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+
+
+def test_remat_and_custom_vjp_bodies_are_entered_while_and_cond_bodies_run_as_they_are():
+    def fn(w, x):
+        h = jax.checkpoint(lambda h: _custom(h, w))(x)
+        with jax.named_scope("loop"):
+            h = jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] @ w),
+                                   (0, h))[1]  # no rows
+            h = jax.lax.cond(h.sum() > 0, lambda h: h @ w, lambda h: h, h)  # no rows
+        with jax.named_scope("last"):
+            return h @ w
+
+    w, x = jnp.full((2, 2), 0.5), jnp.ones((1, 2))
+    out = ts.ordered_leaves(function_activations(fn, w, x))
+    assert [n for n, _ in out] == ["custom/dot_general", "last/dot_general", "(output)"]
+    np.testing.assert_array_equal(out[0][1], x @ w)
+    np.testing.assert_array_equal(out[-1][1], fn(w, x))
+
+
 def test_a_scan_gives_one_row_per_layer():
     def layer(h, w):
         with jax.named_scope("block"):
