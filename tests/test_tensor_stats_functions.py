@@ -231,3 +231,21 @@ def test_a_boosted_function_skip_names_the_layer_whose_matmul_overflowed():
     reason = b.explain(m)
     assert reason.endswith("; forward: inf in the output of layers/scan/1/dense/dot_general"), \
         reason
+
+
+def test_two_scans_in_one_scope_are_two_groups_of_rows_in_forward_order():
+    def f(ws, x):
+        with jax.named_scope("layers"):
+            x = jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0]
+            return jax.lax.scan(lambda h, w: (h @ w, None), x, 2 * ws)[0]
+
+    out = function_activations(f, jnp.ones((2, 2, 2)), jnp.ones((1, 2)), reduce=stats16)
+    stats, rows = ts.reduced_stats(ts.ordered_leaves(out), (SCAN,))
+    line = _line("(lambda h, w: (h @ w, None), x, ws)")
+    assert [r.name for r in rows] == [
+        f"layers/scan/0/test_tensor_stats_functions.py:{line} dot_general",
+        f"layers/scan/1/test_tensor_stats_functions.py:{line} dot_general",
+        f"layers#2/scan/0/test_tensor_stats_functions.py:{line + 1} dot_general",
+        f"layers#2/scan/1/test_tensor_stats_functions.py:{line + 1} dot_general", "(output)"]
+    assert stats.amax.tolist() == [2.0, 4.0, 16.0, 64.0, 64.0]
+    assert ts._forward_order(rows, ts._scanned_prefix((SCAN,))) == [0, 1, 2, 3, 4]
