@@ -105,8 +105,8 @@ class _Run:
     seen: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def count(self, name: str) -> int:
-        n = self.seen[name] = self.seen.get(name, 0) + 1
-        return n
+        self.seen[name] = self.seen.get(name, 0) + 1
+        return self.seen[name]
 
     def unique(self, name: str) -> str:
         n = self.count(name)
@@ -122,7 +122,7 @@ def _join(*parts: str) -> str:
 
 
 def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], run: _Run,
-          prefix: str, stack: Any) -> list:
+          prefix: str, stack: NameStack) -> list:
     """Evaluates ``jaxpr`` as written, reducing each matmul/conv output into ``run``.
 
     ``prefix``: the names of the enclosing scans (``layers/scan``); ``stack``: the name
