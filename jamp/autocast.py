@@ -577,26 +577,27 @@ def _eval_casting(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], 
     for i, eqn in enumerate(jaxpr.eqns):
         if not plan.live[i]:
             continue
-        if i in plan.replace:
-            kind, a, axes = plan.replace[i]
-            env[eqn.outvars[0]] = _SOFTMAX[kind](env[a], axes)
-            continue
-        invals = _narrow_constants([read(v) for v in eqn.invars], eqn, plan)
-        if i in plan.state:
-            outs = _as_traced(eqn, invals)
-        elif i in plan.norms:
-            norm = plan.norms[i]
-            outs = _in_float32(eqn, [x if isinstance(v, jex.Literal) else wide.get(v, x)
-                                     for v, x in zip(eqn.invars, invals, strict=True)])
-            back = _narrowest_dtype([env[v].dtype for v in norm.inputs
-                                     if v in env and is_floating(env[v])] or [jnp.float32])
-            wide.update((v, y) for v, y in zip(eqn.outvars, outs, strict=True)
-                        if v in norm.exits)
-            outs = [y.astype(back) if v in norm.exits and is_floating(y) else y
-                    for v, y in zip(eqn.outvars, outs, strict=True)]
-        else:
-            outs = _apply(eqn, invals, rules)
-        env.update(zip(eqn.outvars, outs, strict=True))
+        with regions.source_of(eqn):  # the user's names and lines, as jax.core.eval_jaxpr
+            if i in plan.replace:
+                kind, a, axes = plan.replace[i]
+                env[eqn.outvars[0]] = _SOFTMAX[kind](env[a], axes)
+                continue
+            invals = _narrow_constants([read(v) for v in eqn.invars], eqn, plan)
+            if i in plan.state:
+                outs = _as_traced(eqn, invals)
+            elif i in plan.norms:
+                norm = plan.norms[i]
+                outs = _in_float32(eqn, [x if isinstance(v, jex.Literal) else wide.get(v, x)
+                                         for v, x in zip(eqn.invars, invals, strict=True)])
+                back = _narrowest_dtype([env[v].dtype for v in norm.inputs
+                                         if v in env and is_floating(env[v])] or [jnp.float32])
+                wide.update((v, y) for v, y in zip(eqn.outvars, outs, strict=True)
+                            if v in norm.exits)
+                outs = [y.astype(back) if v in norm.exits and is_floating(y) else y
+                        for v, y in zip(eqn.outvars, outs, strict=True)]
+            else:
+                outs = _apply(eqn, invals, rules)
+            env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 

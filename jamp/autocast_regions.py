@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -46,8 +47,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
+try:  # public since JAX 0.4.14; absent: equations rebound without their source info
+    from jax.extend import source_info_util as _source_info
+except ImportError:  # pragma: no cover
+    _source_info = None
+
 __all__ = ["NormRegion", "constants", "inline", "narrow_finite", "norm_regions", "open_jaxpr",
-           "producers", "scan_counts", "softmax_at", "state_equations", "state_inputs"]
+           "producers", "scan_counts", "softmax_at", "source_of", "state_equations",
+           "state_inputs"]
 
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr"}
 _SHAPE = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
@@ -107,10 +114,37 @@ def scan_counts(eqn: jex.JaxprEqn) -> tuple[int, int]:
     return len(eqn.invars) - n_carry - trailing(eqn.invars, body.invars), n_carry
 
 
+def source_of(eqn: jex.JaxprEqn) -> contextlib.AbstractContextManager:
+    """The context in which to rebind ``eqn``: its traceback and its name stack (under
+    the current one) made current, as ``jax.core.eval_jaxpr`` does, so the equations an
+    interpreter emits keep the user's ``jax.named_scope`` names and source lines (in
+    profiles, in errors, and for :func:`jamp.function_activations.function_activations`).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def f(x):
+      ...     with jax.named_scope("layer"):
+      ...         return x @ x
+      >>> eqn = jax.make_jaxpr(f)(jnp.ones((2, 2))).jaxpr.eqns[0]
+      >>> def rebound(x):
+      ...     with source_of(eqn):
+      ...         return x @ x
+      >>> str(jax.make_jaxpr(rebound)(jnp.ones((2, 2))).jaxpr.eqns[0].source_info.name_stack)
+      'layer'
+    """
+    if _source_info is None:  # pragma: no cover
+        return contextlib.nullcontext()
+    info = eqn.source_info
+    return _source_info.user_context(
+        info.traceback, name_stack=_source_info.current_name_stack() + info.name_stack)
+
+
 def inline(jaxpr: jex.Jaxpr, consts: Sequence[Any]) -> tuple[jex.Jaxpr, list]:
     """``jaxpr`` with every nested ``jit``/``closed_call`` inlined (fresh variables per call).
 
-    Returns the flat jaxpr and its consts (the outer ones, then the inner calls').
+    Returns the flat jaxpr and its consts (the outer ones, then the inner calls'). An
+    inlined equation's name stack (relative to the call it was in) is prefixed with the
+    call's, so it keeps its ``jax.named_scope`` path.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -128,7 +162,8 @@ def inline(jaxpr: jex.Jaxpr, consts: Sequence[Any]) -> tuple[jex.Jaxpr, list]:
     alias: dict = {}
     resolve = lambda a: alias.get(a, a) if isinstance(a, jex.Var) else a
 
-    def emit(inner: jex.Jaxpr, inner_consts: Sequence[Any], args: Sequence[Any]) -> list:
+    def emit(inner: jex.Jaxpr, inner_consts: Sequence[Any], args: Sequence[Any],
+             stack: Any) -> list:
         sub = dict(zip(inner.invars, args, strict=True))
         for v, c in zip(inner.constvars, inner_consts, strict=True):
             fresh = jex.Var(v.aval)
@@ -138,19 +173,22 @@ def inline(jaxpr: jex.Jaxpr, consts: Sequence[Any]) -> tuple[jex.Jaxpr, list]:
         get = lambda a: sub.get(a, a) if isinstance(a, jex.Var) else a
         for e in inner.eqns:
             invars = [get(a) for a in e.invars]
+            info = e.source_info.replace(name_stack=stack + e.source_info.name_stack)
             if e.primitive.name in _CALLS:
-                outs = emit(*open_jaxpr(e.params[_CALLS[e.primitive.name]]), invars)
+                outs = emit(*open_jaxpr(e.params[_CALLS[e.primitive.name]]), invars,
+                            info.name_stack)
                 sub.update(zip(e.outvars, outs, strict=True))
                 continue
             outvars = [jex.Var(v.aval) for v in e.outvars]
             sub.update(zip(e.outvars, outvars, strict=True))
-            eqns.append(e.replace(invars=invars, outvars=outvars))
+            eqns.append(e.replace(invars=invars, outvars=outvars, source_info=info))
         return [get(a) for a in inner.outvars]
 
     for e in jaxpr.eqns:
         invars = [resolve(a) for a in e.invars]
         if e.primitive.name in _CALLS:
-            outs = emit(*open_jaxpr(e.params[_CALLS[e.primitive.name]]), invars)
+            outs = emit(*open_jaxpr(e.params[_CALLS[e.primitive.name]]), invars,
+                        e.source_info.name_stack)
             alias.update(zip(e.outvars, outs, strict=True))
         else:
             eqns.append(e.replace(invars=invars))

@@ -62,6 +62,8 @@ from jamp import boost_log, fp8, grad_accum, optim_state, parallel
 from jamp import tensor_stats as tensor_stats_module
 from jamp.apply import PolicyModule, apply_policy
 from jamp.autocast import autocast
+from jamp.function_activations import SCAN as FUNCTION_SCAN
+from jamp.function_activations import function_activations
 from jamp.metrics import MetricsWriter
 from jamp.parallel import zero
 from jamp.parallel.read_dtypes import read_dtypes
@@ -138,6 +140,8 @@ class _Model:
     activations: Callable[..., Any] | None = None
     """``activations(variables, inputs, train, rng, mutable) -> layer outputs`` in call order
     (:mod:`jamp.tensor_stats`); None: the model does not expose them."""
+    scanned: tuple[str, ...] = ()
+    """Path components of its layer outputs stacked over layers (a function's scans)."""
 
 
 def _train_kwargs(call: Callable) -> Callable[[bool], dict[str, bool]]:
@@ -245,14 +249,22 @@ def _function(fn: Callable, mp: MixedPrecision, params: Any,
         tree = init_params(rng, inputs) if params is None else params
         return mp.policy.cast_to_param(tree), {}, {}
 
-    def apply(variables, inputs, train, rng, mutable):
-        del mutable
+    def call_kwargs(train, rng):
         kwargs = train_kwargs(train)
         if takes_rng and rng is not None:
             kwargs[takes_rng] = rng
-        return run(variables["params"], inputs, **kwargs), {}
+        return kwargs
 
-    return _Model(init, apply)
+    def apply(variables, inputs, train, rng, mutable):
+        del mutable
+        return run(variables["params"], inputs, **call_kwargs(train, rng)), {}
+
+    def activations(variables, inputs, train, rng, mutable, reduce):
+        del mutable
+        return function_activations(run, variables["params"], inputs, reduce=reduce,
+                                    **call_kwargs(train, rng))
+
+    return _Model(init, apply, activations, scanned=(FUNCTION_SCAN,))
 
 
 def _signature_names(fn: Callable) -> set[str]:
@@ -432,7 +444,8 @@ class Boosted:
             return self.model.activations({**variables, **mutable}, self.inputs(batch), True,
                                           rng, mutable, reduce)
 
-        collector = dataclasses.replace(c, activations=activations)
+        scanned = tuple(dict.fromkeys((*c.scanned, *self.model.scanned)))
+        collector = dataclasses.replace(c, activations=activations, scanned=scanned)
         object.__setattr__(self, "tensor_stats", collector)  # rows recorded on this one
         return collector
 
@@ -878,7 +891,8 @@ def boost(
         inputs)`` making them.
       seed: the default dropout key's seed (folded with the step).
       tensor_stats: per-layer statistics (:mod:`jamp.tensor_stats`) every this many steps
-        (gradients, parameters and, for linen and NNX models, every layer's output), read with
+        (gradients, parameters and every layer's output: a function's matmuls and
+        convolutions, :mod:`jamp.function_activations`), read with
         :meth:`Boosted.stats_table`; 0: none. Either way a skipped step's gradients are
         searched for the first non-finite leaf (:meth:`Boosted.explain`). A
         :class:`jamp.tensor_stats.Collector` sets every detail.

@@ -5,9 +5,10 @@ leaf split over a mesh is reduced exactly once and a replicated leaf is not coun
 per device:
 
 * **Statistics** of every gradient, every parameter and (where the model lets us, see
-  :func:`linen_activations` and :func:`nnx_activations`) every layer's output: :data:`STATISTICS`. A
-  :class:`Collector` gathers them every ``every`` steps under a ``lax.cond``; with
-  ``every=0`` the step gains no operation at all.
+  :func:`linen_activations`, :func:`nnx_activations` and, for plain functions,
+  :func:`jamp.function_activations.function_activations`) every layer's output:
+  :data:`STATISTICS`. A :class:`Collector` gathers them every ``every`` steps under a
+  ``lax.cond``; with ``every=0`` the step gains no operation at all.
 * **The reason for a skip**: on a step whose gradients (or loss) are not finite, a
   second ``lax.cond`` searches the gradients for the first non-finite leaf (inf vs NaN,
   and the element) and, given the activations, the first layer whose forward output was
