@@ -245,7 +245,12 @@ def to_markdown(result: dict[str, Any]) -> str:
              f"- batch {result['batch']}, AdamW; median of {result['steps']} timed rounds "
              f"after {result['warmup']}, variants interleaved; HLO: the gradient's optimised "
              "module (instructions / converts). XLA:CPU computes float16 by upcasting: the "
-             "ratios compare costs of the same graph shapes, not GPU speed.", ""]
+             "ratios compare costs of the same graph shapes, not GPU speed.",
+             "- jamp f16-sums: a diagnostic, jamp's rules but its sums of float16 values "
+             "(bias and norm gradients included) accumulated in float16, as mpx and the "
+             "hand-written model do: the difference to jamp is what the float32 sums cost "
+             "(XLA:CPU reduces a float32 sum of a float16 tensor from a materialised "
+             "float32 copy).", ""]
     for model, by_depth in result["models"].items():
         lines += [f"## {model}", "", *common.table(
             "blocks | fp32 step ms | jamp step ms | mpx step ms | hand fp16 step ms "
