@@ -49,8 +49,7 @@ def build(batch: int, block: int, quick: bool) -> dict[str, Any]:
     labels = jax.random.randint(jax.random.key(2), (batch,), 0, 10)
     placed = jax.device_put({"image": images, "label": labels},
                             parallel.batch_sharding(exp.mesh))
-    activations = lambda state, variables, b, rng, reduce: tensor_stats.linen_activations(
-        state.apply_fn, variables, b["image"], train=True, rngs={"dropout": rng}, reduce=reduce)
+    activations = train.layer_outputs(exp)  # the trainer's own capture
     collectors = {
         "plain": None,
         "off": train.stats_collector(exp),

@@ -138,8 +138,9 @@ class _Model:
     apply: Callable[..., tuple[Any, dict[str, Any]]]
     """``apply(variables, inputs, train, rng, mutable) -> (outputs, new mutable collections)``"""
     activations: Callable[..., Any] | None = None
-    """``activations(variables, inputs, train, rng, mutable) -> layer outputs`` in call order
-    (:mod:`jamp.tensor_stats`); None: the model does not expose them."""
+    """``activations(variables, inputs, train, rng, mutable, reduce) -> reduce(output)`` of
+    every layer output in call order (:mod:`jamp.tensor_stats`); None: the model does not
+    expose them."""
     scanned: tuple[str, ...] = ()
     """Path components of its layer outputs stacked over layers (a function's scans)."""
 

@@ -432,8 +432,9 @@ class Collector:
       explain_skips: search a skipped step's gradients (and activations) for the culprit.
       activations: ``activations(state, variables, batch, rng, reduce) -> tree`` of
         ``reduce(output)`` for every layer output, in the order they were computed, each
-        reduced where the forward pass computes it (:func:`linen_activations`); None: no
-        activations.
+        reduced where the forward pass computes it (:func:`linen_activations`,
+        :func:`nnx_activations`, :func:`jamp.function_activations.function_activations`);
+        None: no activations.
 
     Example:
       >>> import jax, jax.numpy as jnp
