@@ -205,10 +205,17 @@ def hlo_counts(fn: Callable, *args: Any) -> tuple[int, int]:
     return len(lines), sum(" convert(" in line for line in lines)
 
 
-def measure(model_name: str, depth: int, size: int, steps: int, warmup: int) -> dict:
-    """One depth: per variant the median step and gradient times (ms) and HLO counts."""
+def measure(model_name: str, depth: int, size: int, steps: int, warmup: int,
+            dims: dict[str, int] | None = None, parts: tuple[str, ...] = ("step", "grad"),
+            hlo: bool = True) -> dict:
+    """One depth: per variant the median step and gradient times (ms) and HLO counts.
+
+    ``dims`` are :func:`vit`'s ``width``/``heads``/``mlp``; ``parts`` what is timed;
+    ``hlo=False`` skips the HLO counts (one compile less per variant, for a GPU's time).
+    """
     eqx = _eqx()
-    model = (vit if model_name == "vit" else mlp)(depth, jax.random.key(0))
+    key = jax.random.key(0)
+    model = vit(depth, key, **(dims or {})) if model_name == "vit" else mlp(depth, key)
     x, y = batch(model_name, size)
     params = eqx.filter(model, eqx.is_inexact_array)
     runs, rows = {}, {}
@@ -220,9 +227,11 @@ def measure(model_name: str, depth: int, size: int, steps: int, warmup: int) -> 
             carry["p"], carry["s"] = step(carry["p"], carry["s"], x, y)
             jax.block_until_ready(carry["p"])
 
-        runs[f"{name}/step"] = run_step
-        runs[f"{name}/grad"] = lambda grad=grad: jax.block_until_ready(grad(params, x, y))
-        ins, conv = hlo_counts(grad, params, x, y)
+        if "step" in parts:
+            runs[f"{name}/step"] = run_step
+        if "grad" in parts:
+            runs[f"{name}/grad"] = lambda grad=grad: jax.block_until_ready(grad(params, x, y))
+        ins, conv = hlo_counts(grad, params, x, y) if hlo else (None, None)
         rows[name] = dict(grad_hlo_instructions=ins, grad_hlo_converts=conv)
     times = common.time_steps(runs, warmup=warmup, steps=steps, rotate=True)
     for key, ts in times.items():
@@ -232,7 +241,9 @@ def measure(model_name: str, depth: int, size: int, steps: int, warmup: int) -> 
 
 
 def _ratio(rows: dict, a: str, b: str, key: str) -> float | None:
-    return rows[a][key] / rows[b][key] if a in rows and b in rows else None
+    if a in rows and b in rows and rows[a].get(key) and rows[b].get(key):
+        return rows[a][key] / rows[b][key]
+    return None
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -242,10 +253,12 @@ def to_markdown(result: dict[str, Any]) -> str:
              f"- machine: {result['machine']['cpus']} CPUs ({result['platform']}), 1-min load "
              f"{result['machine']['load_avg_1m']}; jax {result['jax']}, equinox "
              f"{result['equinox']}, mpx {result['mpx']}",
-             f"- batch {result['batch']}, AdamW; median of {result['steps']} timed rounds "
+             f"- ViT {result.get('dims') or 'width 128, 4 heads, MLP 256'}; "
+             f"batch {result['batch']}, AdamW; median of {result['steps']} timed rounds "
              f"after {result['warmup']}, variants interleaved; HLO: the gradient's optimised "
-             "module (instructions / converts). XLA:CPU computes float16 by upcasting: the "
-             "ratios compare costs of the same graph shapes, not GPU speed.",
+             "module (instructions / converts)."
+             + (" XLA:CPU computes float16 by upcasting: the ratios compare costs of the "
+                "same graph shapes, not GPU speed." if result["platform"] == "cpu" else ""),
              "- jamp f16-sums: a diagnostic, jamp's rules but its sums of float16 values "
              "(bias and norm gradients included) accumulated in float16, as mpx and the "
              "hand-written model do: the difference to jamp is what the float32 sums cost "
@@ -260,9 +273,11 @@ def to_markdown(result: dict[str, Any]) -> str:
                  common.fmt(_ratio(r, "jamp", "mpx", "step_ms"), ".2f", "x"),
                  common.fmt(_ratio(r, "jamp", "hand", "step_ms"), ".2f", "x"),
                  common.fmt(_ratio(r, "jamp_f16_sums", "mpx", "step_ms"), ".2f", "x"),
-                 common.fmt(r["jamp"]["grad_ms"]), common.fmt(r.get("mpx", {}).get("grad_ms")),
+                 common.fmt(r["jamp"].get("grad_ms")),
+                 common.fmt(r.get("mpx", {}).get("grad_ms")),
                  *(f"{r[v]['grad_hlo_instructions']} / {r[v]['grad_hlo_converts']}"
-                   if v in r else "n/a" for v in ("jamp", "mpx", "hand"))]
+                   if r.get(v, {}).get("grad_hlo_instructions") is not None else "n/a"
+                   for v in ("jamp", "mpx", "hand"))]
                 for depth, r in by_depth.items())), ""]
     return "\n".join(lines)
 
@@ -280,22 +295,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--depths", type=common.split, default=["1", "2", "4", "8", "16"])
     ap.add_argument("--models", type=common.split, default=["vit", "mlp"])
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--width", type=int, default=128, help="the ViT's width")
+    ap.add_argument("--heads", type=int, default=4, help="the ViT's attention heads")
+    ap.add_argument("--mlp", type=int, default=256, help="the ViT's MLP width")
+    ap.add_argument("--parts", type=common.split, default=["step", "grad"],
+                    help="what to time: step, grad")
+    ap.add_argument("--no-hlo", action="store_true", help="skip the HLO counts")
     ap.add_argument("--quick", action="store_true", help="depths 1,2, batch 4, one round")
     args = ap.parse_args(argv)
+    dims = dict(width=args.width, heads=args.heads, mlp=args.mlp)
     if args.quick:
         args.depths, args.batch, args.steps, args.warmup, args.no_write = ["1", "2"], 4, 1, 1, True
     result = dict(**common.header("autocast_depth", argv), equinox=_version("equinox"),
                   mpx=_version("mixed-precision-for-jax"), batch=args.batch, steps=args.steps,
-                  warmup=args.warmup, models={})
+                  warmup=args.warmup, dims=", ".join(f"{k} {v}" for k, v in dims.items()),
+                  models={})
     for model in args.models:
         result["models"][model] = {}
         for depth in map(int, args.depths):
-            rows = measure(model, depth, args.batch, args.steps, args.warmup)
+            rows = measure(model, depth, args.batch, args.steps, args.warmup, dims,
+                           tuple(args.parts), not args.no_hlo)
             result["models"][model][depth] = rows
-            print(model, depth, {v: (round(r["step_ms"], 1), r["grad_hlo_instructions"])
+            print(model, depth, {v: (round(r.get("step_ms") or r.get("grad_ms"), 3),
+                                     r["grad_hlo_instructions"])
                                  for v, r in rows.items()}, flush=True)
     if not args.no_write:
-        common.write_results(common.results_stem(args.out_dir, "autocast_depth", "cpu"),
+        common.write_results(common.results_stem(args.out_dir, "autocast_depth", result["platform"]),
                              result, to_markdown(result))
     return result
 

@@ -38,10 +38,18 @@ LIMITS = {"off": 1.01, "every_100": 1.03, "every_step": 1.5, "every_step_no_acts
 """The ratios to ``plain`` the issue asks for (issue 32)."""
 
 
-def build(batch: int, block: int, quick: bool) -> dict[str, Any]:
-    """The five steps, each running ``block`` steps per call on its own state."""
+def build(batch: int, block: int, quick: bool,
+          model: dict[str, int] | None = None) -> dict[str, Any]:
+    """The five steps, each running ``block`` steps per call on its own state.
+
+    ``model`` overrides the recipe's ViT (``num_layers``, ``hidden_size``, ``num_heads``,
+    ``mlp_dim``, ``image_size``, ``patch_size``), e.g. for a GPU-sized run.
+    """
     c = vit_config("fp16")
     c.batch_size, c.mesh.data, c.max_steps = batch, 1, 1000
+    for key, value in (model or {}).items():
+        if value is not None:
+            c[key] = value
     if quick:
         c.num_layers, c.hidden_size, c.mlp_dim = 1, 16, 32
     exp = experiment.build_experiment(c)
@@ -76,7 +84,7 @@ def build(batch: int, block: int, quick: bool) -> dict[str, Any]:
             jax.block_until_ready(m)
 
         runs[name] = run
-    return dict(runs=runs, config=dict(layers=c.num_layers, width=c.hidden_size,
+    return dict(runs=runs, config=dict(layers=c.num_layers, width=c.hidden_size, mlp=c.mlp_dim,
                                        image=c.image_size, patch=c.patch_size, batch=batch))
 
 
@@ -113,18 +121,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = common.parser(__doc__, timing=(5, 1))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--block", type=int, default=100, help="steps per timed call")
+    for name in ("num_layers", "hidden_size", "num_heads", "mlp_dim", "image_size",
+                 "patch_size"):
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                        help=f"the ViT's {name} (default: the digits recipe's)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 blocks of 3, no file")
     args = ap.parse_args(argv)
+    model = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_heads",
+                                           "mlp_dim", "image_size", "patch_size")}
     if args.quick:
         args.steps, args.warmup, args.batch, args.block, args.no_write = 2, 1, 8, 3, True
     load_before = common.machine()["load_avg_1m"]
-    built = build(args.batch, args.block, args.quick)
+    built = build(args.batch, args.block, args.quick, model)
     times = common.time_steps(built["runs"], warmup=args.warmup, steps=args.steps, rotate=True)
     rows = {name: common.summarize_times([t / args.block for t in times[name]], args.batch)
             for name in built["runs"]}
     cfg = built["config"]
     result = dict(**common.header("tensor_stats_cost", argv), load_before=load_before,
-                  model=f"ViT {cfg['layers']} layers, width {cfg['width']}, "
+                  model=f"ViT {cfg['layers']} layers, width {cfg['width']}, MLP {cfg['mlp']}, "
                         f"{cfg['image']}px/{cfg['patch']}, batch {cfg['batch']}",
                   steps=args.steps, warmup=args.warmup, block=args.block, rows=rows)
     print(markdown := to_markdown(result))
