@@ -320,8 +320,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                      r["grad_hlo_instructions"])
                                  for v, r in rows.items()}, flush=True)
     if not args.no_write:
-        common.write_results(common.results_stem(args.out_dir, "autocast_depth", result["platform"]),
-                             result, to_markdown(result))
+        stem = common.results_stem(args.out_dir, "autocast_depth", result["platform"])
+        common.write_results(stem, result, to_markdown(result))
     return result
 
 
