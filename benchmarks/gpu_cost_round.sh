@@ -12,6 +12,7 @@
 # Usage (the device machine; `.whl` carried, see ../shared/gpu/README.md, plus the
 # mixed-precision-for-JAX wheel for mpx):
 #   OUT=/tmp/out bash benchmarks/gpu_cost_round.sh
+# Only the statistics' cost, then the ViT-8's gradient alone: ONLY_STATS=1.
 # CPU smoke run, tiny:
 #   OUT=/tmp/out SMOKE=1 bash benchmarks/gpu_cost_round.sh
 set -u
@@ -39,9 +40,12 @@ phase setup 90 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total 
   python3 -c "import jax, flax, equinox, mpx, jamp;
 print(jax.devices(), \"jax\", jax.__version__, \"flax\", flax.__version__,
       \"equinox\", equinox.__version__, \"jamp\", jamp.__version__)"'
-phase depth-gpu-size 200 python3 -m benchmarks.autocast_depth "${BIG[@]}" --parts step \
+[ "${ONLY_STATS:-0}" = 1 ] || phase depth-gpu-size 200 python3 -m benchmarks.autocast_depth "${BIG[@]}" --parts step \
   --no-hlo --out-dir "$OUT/depth"
 phase tensor-stats 170 python3 -m benchmarks.tensor_stats_cost "${STATS[@]}" --out-dir "$OUT/stats"
+[ "${ONLY_STATS:-0}" = 1 ] && { phase depth-grad 90 python3 -m benchmarks.autocast_depth \
+  --width 384 --heads 6 --mlp 1536 --batch 256 --depths 8 --steps 5 --warmup 2 --models vit \
+  --parts step,grad --no-hlo --out-dir "$OUT/depth_small"; exit; }
 phase depth-issue-size 150 python3 -m benchmarks.autocast_depth "${SMALL[@]}" --parts step \
   --no-hlo --out-dir "$OUT/depth_small"
 cat "$OUT"/depth/*.md "$OUT"/depth_small/*.md 2>/dev/null

@@ -69,7 +69,7 @@ def build(batch: int, block: int, quick: bool,
                                                      groups=("grads", "params"),
                                                      scanned=("layers",)),
     }
-    runs = {}
+    runs, steps = {}, {}
     with jax.set_mesh(exp.mesh):
         abstract, shardings = experiment.state_shardings(exp, jax.random.key(0))
     for name, collector in collectors.items():
@@ -83,8 +83,8 @@ def build(batch: int, block: int, quick: bool,
                     state[0], m = step(state[0], placed, jax.random.key(3))
             jax.block_until_ready(m)
 
-        runs[name] = run
-    return dict(runs=runs, config=dict(layers=c.num_layers, width=c.hidden_size, mlp=c.mlp_dim,
+        runs[name], steps[name] = run, (step, state)
+    return dict(runs=runs, steps=steps, batch=placed, mesh=exp.mesh, config=dict(layers=c.num_layers, width=c.hidden_size, mlp=c.mlp_dim,
                                        image=c.image_size, patch=c.patch_size, batch=batch))
 
 
