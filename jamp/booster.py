@@ -44,7 +44,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import functools
 import inspect
 import os
 import warnings
@@ -807,9 +806,7 @@ def assemble_step(
 
     Returns:
       ``step(state, batch, rng) -> (state, metrics)``; metrics as
-      :func:`jamp.step.loss_scaled_step`'s, plus ``skipped``. A jitted function, or, with
-      a collector that collects every N steps, a :class:`jamp.tensor_stats.ScheduledStep`
-      (two jitted steps, the one that collects picked on the host by the step number).
+      :func:`jamp.step.loss_scaled_step`'s, plus ``skipped``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jamp
@@ -826,26 +823,20 @@ def assemble_step(
                                        max_leaves=max_leaves, param_specs=param_specs,
                                        pipelined=pipelined)
 
-    def step(state, batch, rng, collect=None):
+    def step(state, batch, rng):
         new, metrics = loss_scaled_step(state, batch, rng,
                                         lambda v, b, r: loss_fn(state, v, b, r), value_and_grad,
                                         log_num_zeros_in_grad=log_num_zeros_in_grad,
-                                        tensor_stats=tensor_stats, collect_stats=collect)
+                                        tensor_stats=tensor_stats)
         if finish is not None:
             new, metrics = finish(state, new, metrics)
         metrics["skipped"] = ~metrics["grad_finite"]
         return new, metrics
 
-    def jit(collect):
-        fn = functools.partial(step, collect=collect)
-        if mesh is None:
-            return jax.jit(fn, donate_argnums=(0,))
-        return jax.jit(fn, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
-                       out_shardings=(shardings, None), donate_argnums=(0,))
-
-    if tensor_stats is not None and tensor_stats.every:  # picked on the host, no cond
-        return tensor_stats_module.ScheduledStep(jit(False), jit(True), tensor_stats.every)
-    return jit(None)
+    if mesh is None:
+        return jax.jit(step, donate_argnums=(0,))
+    return jax.jit(step, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
+                   out_shardings=(shardings, None), donate_argnums=(0,))
 
 
 def boost(

@@ -313,7 +313,6 @@ def loss_scaled_step(
     *,
     log_num_zeros_in_grad: bool = False,
     tensor_stats: Any = None,
-    collect_stats: bool | None = None,
 ) -> tuple[train_state.TrainState, dict[str, Any]]:
     """The step for any loss: scale, differentiate, unscale/check, skip or update.
 
@@ -337,9 +336,7 @@ def loss_scaled_step(
       diverged, grad_norm (of the unscaled gradients) and, with
       ``log_num_zeros_in_grad``, num_zeros_in_grad (:mod:`jamp.grad_stats`); with a
       ``tensor_stats`` :class:`jamp.tensor_stats.Collector`, what it adds (per-layer
-      statistics every N steps, the reason of a skipped or non-finite step);
-      ``collect_stats`` whether this step collects them, decided on the host (None: a
-      ``lax.cond`` in the step decides; :meth:`jamp.tensor_stats.Collector.step_metrics`).
+      statistics every N steps, the reason of a skipped or non-finite step).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jamp
@@ -389,7 +386,7 @@ def loss_scaled_step(
         bad = ~stats.last_finite | ~jnp.isfinite(metrics["loss"])
         metrics.update(tensor_stats.step_metrics(step=before.step, params=before.params,
                                                  grads=grads, scale=scale, bad=bad,
-                                                 forward=forward, collect=collect_stats))
+                                                 forward=forward))
     return state, metrics
 
 

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["GROUPS", "STATISTICS", "Collector", "Row", "ScheduledStep", "Stats", "array_stats",
+__all__ = ["GROUPS", "STATISTICS", "Collector", "Row", "Stats", "array_stats",
            "check_groups", "check_statistic", "explain", "linen_activations", "named_leaves",
            "nnx_activations", "ordered_leaves", "skip_line", "table", "tree_stats"]
 
@@ -467,8 +467,8 @@ class Collector:
         return bool(self.every) or self.explain_skips
 
     def step_metrics(self, *, step: jax.Array, params: Any, grads: Any, scale: Any,
-                     bad: jax.Array, forward: Callable[[Any], Any] | None = None,
-                     collect: bool | None = None) -> dict[str, Any]:
+                     bad: jax.Array, forward: Callable[[Any], Any] | None = None
+                     ) -> dict[str, Any]:
         """The metrics this collector adds to a step (call it under ``jit``).
 
         Args:
@@ -479,11 +479,6 @@ class Collector:
           bad: whether the step is skipped (or its loss non-finite): the search's predicate.
           forward: ``forward(reduce) -> tree`` of ``reduce(output)`` of every layer output,
             reduced as the forward pass computes it (None: no activations).
-          collect: whether this step collects, decided on the host (True/False: no
-            ``lax.cond``, the step computes the statistics or zeros;
-            :func:`jamp.booster.assemble_step` compiles one step of each and picks by the
-            step number, see :class:`ScheduledStep`); None: decided inside the step, a
-            ``lax.cond`` on ``step % every == 0``.
         """
         out: dict[str, Any] = {}
         forward = forward if self.activations is not None else None
@@ -493,7 +488,7 @@ class Collector:
         # threshold (32 MiB), and every step, collecting or not, paid fresh page faults.
         reduce = lambda x: array_stats(x, self.compute_dtype)
         if self.every:
-            def gather(_):
+            def collect(_):
                 result = {}
                 trees = {"grads": (grads, scale), "params": (params, 1.0)}
                 for group in self.groups:
@@ -508,15 +503,11 @@ class Collector:
                         named_leaves(tree), self.compute_dtype, s, self.scanned)
                 return result
 
-            shapes = jax.eval_shape(gather, None)
+            shapes = jax.eval_shape(collect, None)
             empty = lambda _: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
                                                      shapes)
-            if collect is None:
-                collected = step % self.every == 0
-                out["tensor_stats"] = jax.lax.cond(collected, gather, empty, None)
-            else:  # decided on the host: no cond (on a GPU a cond in the step cost 1.28x)
-                collected = jnp.asarray(bool(collect))
-                out["tensor_stats"] = gather(None) if collect else empty(None)
+            collected = step % self.every == 0
+            out["tensor_stats"] = jax.lax.cond(collected, collect, empty, None)
             out["tensor_stats_collected"] = collected
         if self.explain_skips:
             limit = float(jnp.finfo(self.compute_dtype).max)
@@ -560,63 +551,6 @@ def _devices(sharding: Any, shape: tuple[int, ...], index: tuple[int, ...]) -> s
     if not held or len(held) == len(where):  # one device, or every device holds it
         return ""
     return f", on device{'s' if len(held) > 1 else ''} {','.join(map(str, held))}"
-
-
-class ScheduledStep:
-    """A train step whose statistics steps are picked on the host: two compiled steps.
-
-    ``step(state, batch, rng) -> (state, metrics)`` calls ``collecting`` on steps whose
-    number (``state.step``) is a multiple of ``every`` and ``plain`` on the others. Both
-    return the same metrics (``plain`` fills ``tensor_stats`` with zeros), and neither has
-    a ``lax.cond`` for the statistics: on an H100 that cond cost the steps that collect
-    nothing 1.28x (``benchmarks/tensor_stats_cost``). ``plain`` compiles on its first use.
-
-    The number of a state this step returned is known without waiting for the device;
-    any other state's ``step`` is read once (e.g. the first step, after a restore). Called
-    inside a caller's ``jit``, it decides in the graph with a ``lax.cond``.
-
-    Attributes:
-      plain: the jitted step that collects nothing.
-      collecting: the jitted step that collects.
-      every: collect on steps whose number is a multiple of it (>= 1).
-
-    Example:
-      >>> import jax, jax.numpy as jnp, optax, jamp
-      >>> from jamp.booster import assemble_step
-      >>> state = jamp.step.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
-      ...                                     tx=jamp.make_optimizer("fp16", optax.sgd(0.1)))
-      >>> loss = lambda s, v, b, r: (jnp.mean(b @ v["params"]["w"]), {})
-      >>> step = assemble_step(loss, tensor_stats=Collector(every=2))
-      >>> collected = []
-      >>> for _ in range(3):
-      ...     state, m = step(state, jnp.ones((4, 2)), None)
-      ...     collected.append(bool(m["tensor_stats_collected"]))
-      >>> collected
-      [True, False, True]
-    """
-
-    def __init__(self, plain: Callable[..., Any], collecting: Callable[..., Any], every: int):
-        self.plain, self.collecting, self.every = plain, collecting, every
-        self._returned: tuple[Any, int] | None = None  # (the step array returned, its number)
-
-    def number(self, state: Any) -> int:
-        """``state.step`` as an int: free for a state this step returned, else read once."""
-        if self._returned is not None and state.step is self._returned[0]:
-            return self._returned[1]
-        step = state.step
-        if isinstance(step, jax.Array):  # its local copy: a replicated scalar
-            step = step.addressable_shards[0].data
-        return int(np.asarray(step))
-
-    def __call__(self, state: Any, batch: Any, rng: Any) -> tuple[Any, dict[str, Any]]:
-        if isinstance(state.step, jax.core.Tracer):  # inside a caller's jit: in the graph
-            return jax.lax.cond(state.step % self.every == 0, self.collecting, self.plain,
-                                state, batch, rng)
-        number = self.number(state)
-        run = self.collecting if number % self.every == 0 else self.plain
-        new, metrics = run(state, batch, rng)
-        self._returned = (new.step, number + 1)
-        return new, metrics
 
 
 def skip_line(step: int, reason: str | None) -> str:

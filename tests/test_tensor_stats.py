@@ -175,19 +175,12 @@ def test_shards_combine_exactly_nan_and_infs_in_one_shard_and_no_replica_counted
 # ----------------------------------------------------------------------------- off / on
 
 
-def _tiny_state():
-    return jamp.step.TrainState.create(apply_fn=None, params={"w": jnp.ones(3)},
-                                       tx=jamp.make_optimizer("fp16", optax.sgd(0.1)))
-
-
-def _tiny_loss(v, b, r):
-    return jnp.mean((b @ v["params"]["w"]) ** 2), {}
-
-
-def _step_jaxpr(collector, collect=None):
-    f = lambda s, b: jamp.step.loss_scaled_step(s, b, None, _tiny_loss, tensor_stats=collector,
-                                                collect_stats=collect)
-    return str(jax.make_jaxpr(f)(_tiny_state(), jnp.ones((2, 3))))
+def _step_jaxpr(collector):
+    state = jamp.step.TrainState.create(apply_fn=None, params={"w": jnp.ones(3)},
+                                        tx=jamp.make_optimizer("fp16", optax.sgd(0.1)))
+    loss = lambda v, b, r: (jnp.mean((b @ v["params"]["w"]) ** 2), {})
+    f = lambda s, b: jamp.step.loss_scaled_step(s, b, None, loss, tensor_stats=collector)
+    return str(jax.make_jaxpr(f)(state, jnp.ones((2, 3))))
 
 
 def test_off_adds_no_operation_and_on_adds_conds():
@@ -196,50 +189,6 @@ def test_off_adds_no_operation_and_on_adds_conds():
     skips_only = _step_jaxpr(ts.Collector(every=0))
     assert skips_only.count("cond[") == plain.count("cond[") + 1
     assert _step_jaxpr(ts.Collector(every=100)).count("cond[") == plain.count("cond[") + 2
-    # decided on the host: no cond for the statistics, collecting or not
-    for collect in (False, True):
-        assert _step_jaxpr(ts.Collector(every=100), collect).count("cond[") == \
-            skips_only.count("cond[")
-
-
-def test_the_scheduled_step_collects_on_multiples_of_every_without_a_cond_or_a_device_read(
-        monkeypatch):
-    from jamp.booster import assemble_step
-
-    step = assemble_step(lambda s, v, b, r: _tiny_loss(v, b, r),
-                         tensor_stats=ts.Collector(every=3, groups=("grads", "params")))
-    assert isinstance(step, ts.ScheduledStep)
-    batch = jnp.ones((2, 3))
-    # neither compiled step has a cond for the statistics: only the skip search's
-    skips_only = _step_jaxpr(ts.Collector(every=0)).count("cond[")
-    for fn in (step.plain, step.collecting):
-        assert str(jax.make_jaxpr(fn)(_tiny_state(), batch, None)).count("cond[") == skips_only
-    reads, number = [], ts.ScheduledStep.number
-
-    def counted(self, state):
-        if not (self._returned is not None and state.step is self._returned[0]):
-            reads.append(1)
-        return number(self, state)
-
-    monkeypatch.setattr(ts.ScheduledStep, "number", counted)
-    state, collected, amax = _tiny_state(), [], []
-    for _ in range(7):
-        state, m = step(state, batch, None)
-        collected.append(bool(m["tensor_stats_collected"]))
-        amax.append(float(m["tensor_stats"]["params"].amax[0]))
-    assert collected == [True, False, False, True, False, False, True]
-    assert [a > 0 for a in amax] == collected  # the plain step's statistics are zeros
-    assert len(reads) == 1  # the first state only: each next one is the step's own
-    # a state it did not return (a restore, a user's own) is read once, at its number
-    state = state.replace(step=jnp.asarray(9, state.step.dtype))
-    state, m = step(state, batch, None)
-    assert bool(m["tensor_stats_collected"]) and len(reads) == 2
-    state, m = step(state.replace(step=jnp.asarray(10, state.step.dtype)), batch, None)
-    assert not bool(m["tensor_stats_collected"]) and len(reads) == 3
-    # inside a caller's jit the step number is traced: decided in the graph
-    both = jax.jit(lambda s: step(s, batch, None)[1]["tensor_stats_collected"])
-    assert [bool(both(state.replace(step=jnp.asarray(n, state.step.dtype))))
-            for n in (11, 12)] == [False, True]
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "x", True])
