@@ -3,16 +3,16 @@
 # process with its own time limit; the results files go straight to $OUT (small markdown +
 # JSON), every figure is also printed (tee the log to $OUT/log.txt).
 #
-#   1. jamp.autocast vs mpx vs hand-written float16 Equinox, GPU-sized ViT (width 384,
+#   1. jamp.tensor_stats in the trainer's step: off / every 100 / every step, and the two
+#      diagnostics that isolate each cond (issue 32; run 1 on 2026-11-26: every_100 1.28x).
+#   2. jamp.autocast vs mpx vs hand-written float16 Equinox, GPU-sized ViT (width 384,
 #      6 heads, MLP 1536, batch 256) and the MLP: the step's time (issue 31: do float32
 #      sums of float16 cotangents cost anything on a GPU?).
-#   2. jamp.tensor_stats in the trainer's step: off / every 100 / every step (issue 32).
 #   3. autocast_depth at the issue's own CPU size (width 128, batch 128).
 #
 # Usage (the device machine; `.whl` carried, see ../shared/gpu/README.md, plus the
 # mixed-precision-for-JAX wheel for mpx):
 #   OUT=/tmp/out bash benchmarks/gpu_cost_round.sh
-# Only the statistics' cost, then the ViT-8's gradient alone: ONLY_STATS=1.
 # CPU smoke run, tiny:
 #   OUT=/tmp/out SMOKE=1 bash benchmarks/gpu_cost_round.sh
 set -u
@@ -40,12 +40,9 @@ phase setup 90 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total 
   python3 -c "import jax, flax, equinox, mpx, jamp;
 print(jax.devices(), \"jax\", jax.__version__, \"flax\", flax.__version__,
       \"equinox\", equinox.__version__, \"jamp\", jamp.__version__)"'
-[ "${ONLY_STATS:-0}" = 1 ] || phase depth-gpu-size 200 python3 -m benchmarks.autocast_depth "${BIG[@]}" --parts step \
-  --no-hlo --out-dir "$OUT/depth"
 phase tensor-stats 170 python3 -m benchmarks.tensor_stats_cost "${STATS[@]}" --out-dir "$OUT/stats"
-[ "${ONLY_STATS:-0}" = 1 ] && { phase depth-grad 90 python3 -m benchmarks.autocast_depth \
-  --width 384 --heads 6 --mlp 1536 --batch 256 --depths 8 --steps 5 --warmup 2 --models vit \
-  --parts step,grad --no-hlo --out-dir "$OUT/depth_small"; exit; }
+phase depth-gpu-size 200 python3 -m benchmarks.autocast_depth "${BIG[@]}" --parts step \
+  --no-hlo --out-dir "$OUT/depth"
 phase depth-issue-size 150 python3 -m benchmarks.autocast_depth "${SMALL[@]}" --parts step \
   --no-hlo --out-dir "$OUT/depth_small"
 cat "$OUT"/depth/*.md "$OUT"/depth_small/*.md 2>/dev/null

@@ -1,7 +1,7 @@
 """The cost of jamp.tensor_stats in the trainer's step: off, every 100 steps, every step.
 
 The trainer's jitted step (``jamp.train.jit_train_step``) of the digits recipe's ViT (4
-layers, width 64, 8x8 images, patch 2), fp16 with dynamic loss scaling, one device, five
+layers, width 64, 8x8 images, patch 2), fp16 with dynamic loss scaling, one device, seven
 ways, each with its own state on the same batch:
 
 - ``plain``: no collector (the step before jamp.tensor_stats);
@@ -11,9 +11,12 @@ ways, each with its own state on the same batch:
   whose number is a multiple of 100 (so one step of each block of 100);
 - ``every_step``: the same on every step;
 - ``every_step_no_acts``: gradients and parameters only, every step (what a model without
-  collected layer outputs, e.g. NNX or a function, pays).
+  collected layer outputs, e.g. NNX or a function, pays);
+- diagnostics, one ``lax.cond`` each: ``search_forward``, the skip search alone but with
+  its second forward pass (``every_100`` searches the layer outputs too, ``off`` only the
+  gradients); ``every_100_no_search``, ``every_100``'s statistics without the skip search.
 
-Each is timed over blocks of ``--block`` (100) consecutive steps, the five in turn
+Each is timed over blocks of ``--block`` (100) consecutive steps, the seven in turn
 (``common.time_steps``, rotating), so the ``every_100`` block holds exactly one collecting
 step and its time per step is the average cost. Writes
 ``benchmarks/results/tensor_stats_cost-<platform>-<date>.md/.json``.
@@ -40,7 +43,7 @@ LIMITS = {"off": 1.01, "every_100": 1.03, "every_step": 1.5, "every_step_no_acts
 
 def build(batch: int, block: int, quick: bool,
           model: dict[str, int] | None = None) -> dict[str, Any]:
-    """The five steps, each running ``block`` steps per call on its own state.
+    """The seven steps, each running ``block`` steps per call on its own state.
 
     ``model`` overrides the recipe's ViT (``num_layers``, ``hidden_size``, ``num_heads``,
     ``mlp_dim``, ``image_size``, ``patch_size``), e.g. for a GPU-sized run.
@@ -68,6 +71,13 @@ def build(batch: int, block: int, quick: bool,
         "every_step_no_acts": tensor_stats.Collector(every=1, compute_dtype=jnp.float16,
                                                      groups=("grads", "params"),
                                                      scanned=("layers",)),
+        # diagnostics, each cond alone: the skip search with its second forward pass (as
+        # every_100 has it), and every_100's statistics without the skip search
+        "search_forward": tensor_stats.Collector(every=0, compute_dtype=jnp.float16,
+                                                 scanned=("layers",), activations=activations),
+        "every_100_no_search": tensor_stats.Collector(every=100, compute_dtype=jnp.float16,
+                                                      scanned=("layers",), explain_skips=False,
+                                                      activations=activations),
     }
     runs, steps = {}, {}
     with jax.set_mesh(exp.mesh):
@@ -84,8 +94,9 @@ def build(batch: int, block: int, quick: bool,
             jax.block_until_ready(m)
 
         runs[name], steps[name] = run, (step, state)
-    return dict(runs=runs, steps=steps, batch=placed, mesh=exp.mesh, config=dict(layers=c.num_layers, width=c.hidden_size, mlp=c.mlp_dim,
-                                       image=c.image_size, patch=c.patch_size, batch=batch))
+    return dict(runs=runs, steps=steps, batch=placed, mesh=exp.mesh,
+                config=dict(layers=c.num_layers, width=c.hidden_size, mlp=c.mlp_dim,
+                            image=c.image_size, patch=c.patch_size, batch=batch))
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -96,7 +107,7 @@ def to_markdown(result: dict[str, Any]) -> str:
              f"`{result['command']}`; jax {result['jax']}, device {result['device']}, "
              f"load before {result['load_before']}; model {result['model']}, fp16 with "
              f"dynamic loss scaling; {result['steps']} timed blocks of {result['block']} "
-             f"steps after {result['warmup']}, the five in turn.", ""]
+             f"steps after {result['warmup']}, the steps in turn.", ""]
     lines += common.table("step | median ms/step | p10 | p90 | vs plain | limit", [
         (name, f"{r['step_ms']:.3f}", f"{r['step_ms_p10']:.3f}", f"{r['step_ms_p90']:.3f}",
          f"{r['step_ms'] / plain:.3f}", f"<= {LIMITS[name]}" if name in LIMITS else "")
@@ -106,9 +117,12 @@ def to_markdown(result: dict[str, Any]) -> str:
               "adds no scratch memory to the step: before, the collecting branch held every "
               "output, grew XLA:CPU's per-call scratch from 15 to 64 MiB (past malloc's 32 MiB "
               "mmap threshold) and every step, collecting or not, paid fresh page faults "
-              "(every_100 was 1.23x). What every_step still pays: the second forward pass "
-              "(about 0.29x; amax alone costs that) and the seven reductions per layer output "
-              "on XLA:CPU's emulated float16 (about 0.18x).",
+              "(every_100 was 1.23x). What every_step still pays on XLA:CPU: the second "
+              "forward pass (about 0.29x; amax alone costs that) and the seven reductions per "
+              "layer output on its emulated float16 (about 0.18x). On an H100 (jax 0.11.2) "
+              "every_100 cost 1.28x, and blocks of steps took as long to enqueue as to run: "
+              "the steps with a cond whose branch runs a forward pass wait on the host "
+              "(results/tensor_stats_cost-nvidia-h100-2026-11-26.md).",
               "", "Statistics: amax, smallest non-zero, zero/underflow/flush shares, headroom "
               "bits, NaN and inf counts of every gradient, parameter and layer output (per "
               "scanned layer). ms/step of a block of steps (one call per step, as the trainer "
@@ -117,7 +131,7 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Times the five steps in turn and writes the results file."""
+    """Times the steps in turn and writes the results file."""
     ap = common.parser(__doc__, timing=(5, 1))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--block", type=int, default=100, help="steps per timed call")
