@@ -5,6 +5,7 @@
 #
 #   1. jamp.tensor_stats in the trainer's step: off / every 100 / every step, and the two
 #      diagnostics that isolate each cond (issue 32; run 1 on 2026-11-26: every_100 1.28x).
+#      The same with XLA:GPU command buffers holding while loops and conds.
 #   2. jamp.autocast vs mpx vs hand-written float16 Equinox, GPU-sized ViT (width 384,
 #      6 heads, MLP 1536, batch 256) and the MLP: the step's time (issue 31: do float32
 #      sums of float16 cotangents cost anything on a GPU?).
@@ -17,7 +18,7 @@
 #   OUT=/tmp/out SMOKE=1 bash benchmarks/gpu_cost_round.sh
 set -u
 OUT=${OUT:?set OUT}
-mkdir -p "$OUT/depth" "$OUT/stats" "$OUT/depth_small"
+mkdir -p "$OUT/depth" "$OUT/stats" "$OUT/stats_graphs" "$OUT/depth_small"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONUNBUFFERED=1
 T0=$(date +%s)
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -41,6 +42,12 @@ phase setup 90 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total 
 print(jax.devices(), \"jax\", jax.__version__, \"flax\", flax.__version__,
       \"equinox\", equinox.__version__, \"jamp\", jamp.__version__)"'
 phase tensor-stats 170 python3 -m benchmarks.tensor_stats_cost "${STATS[@]}" --out-dir "$OUT/stats"
+# Run 2 (2026-11-26) found the host waiting inside every step (enqueueing 100 steps took as
+# long as running them, plain steps too): XLA:GPU reads a while loop's (the scanned layers')
+# and a cond's predicate on the host. Command buffers that hold loops and conds keep them on
+# the device: the same steps with them, to compare with the phase above.
+phase tensor-stats-graphs 170 env XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+  python3 -m benchmarks.tensor_stats_cost "${STATS[@]}" --out-dir "$OUT/stats_graphs"
 phase depth-gpu-size 200 python3 -m benchmarks.autocast_depth "${BIG[@]}" --parts step \
   --no-hlo --out-dir "$OUT/depth"
 phase depth-issue-size 150 python3 -m benchmarks.autocast_depth "${SMALL[@]}" --parts step \
