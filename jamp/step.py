@@ -304,6 +304,12 @@ StepLossFn = Callable[[dict[str, Any], Any, jax.Array], tuple[jax.Array, dict[st
 further per-step means; ``variables`` is ``{"params": ..., **extra collections}``."""
 
 
+def _examples(batch: Any) -> int | None:
+    """The batch's size: its first array's leading dimension (None: no such array)."""
+    leaves = [x for x in jax.tree_util.tree_leaves(batch) if jnp.ndim(x)]
+    return int(jnp.shape(leaves[0])[0]) if leaves else None
+
+
 def loss_scaled_step(
     state: train_state.TrainState,
     batch: Any,
@@ -386,7 +392,7 @@ def loss_scaled_step(
         bad = ~stats.last_finite | ~jnp.isfinite(metrics["loss"])
         metrics.update(tensor_stats.step_metrics(step=before.step, params=before.params,
                                                  grads=grads, scale=scale, bad=bad,
-                                                 forward=forward))
+                                                 forward=forward, batch_size=_examples(batch)))
     return state, metrics
 
 

@@ -210,7 +210,7 @@ def ordered_leaves(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, A
       >>> [n for n, _ in ordered_leaves(t)]
       ['b', 'a']
     """
-    if isinstance(tree, Stats):  # a layer output reduced during the forward pass
+    if isinstance(tree, Stats | _Located):  # a layer output reduced during the forward pass
         return [(_layer_name(prefix), tree)]
     if isinstance(tree, Mapping):
         items = [(str(k), v) for k, v in tree.items()]
@@ -332,6 +332,57 @@ def reduced_stats(named: list[tuple[str, Stats]], scanned: Sequence[str] = ()
 
 
 # ----------------------------------------------------------------------------- skips
+
+
+class _Located(NamedTuple):
+    """A layer output reduced for the skip search: its statistics, and the first 'data'
+    shard of the batch holding a value that is NaN, inf or above the compute dtype's
+    maximum (``[1]`` int32; -1: none, or not known: one shard, or axis 0 is not the batch)."""
+
+    stats: Stats
+    shard: jax.Array
+
+
+def _search_reduce(dtype: Any, batch_size: int | None
+                   ) -> tuple[Callable[[jax.Array], _Located], int]:
+    """The skip search's ``reduce`` and the number of 'data' shards: :func:`array_stats` and
+    the first bad 'data' shard of an output whose axis 0 is the batch (``batch_size``
+    examples, split evenly over the mesh's 'data' axis, as the trainer and ``jamp.boost``
+    lay out a batch). Call it while tracing under the step's mesh."""
+    shards = dict(jax.sharding.get_abstract_mesh().shape).get("data", 1)
+    limit = float(jnp.finfo(dtype).max)
+
+    def reduce(x: jax.Array) -> _Located:
+        stats = array_stats(x, dtype)
+        if (shards <= 1 or not batch_size or batch_size % shards or not jnp.ndim(x)
+                or x.shape[0] != batch_size):
+            return _Located(stats, jnp.full((1,), -1, jnp.int32))
+        a = jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+        bad = jnp.any(jnp.reshape(~(a <= limit), (shards, -1)), axis=1)  # NaN fails <= too
+        shard = jnp.where(jnp.any(bad), jnp.argmax(bad), -1).astype(jnp.int32)
+        return _Located(stats, jnp.reshape(shard, (1,)))
+
+    return reduce, shards
+
+
+def _located_rows(located: list[tuple[str, Any]], scanned: Sequence[str]
+                  ) -> tuple[Stats, list[Row], jax.Array]:
+    """:func:`reduced_stats` of the search's outputs, and each row's first bad shard
+    (-1: none or not known). A row merging several calls keeps the lowest bad shard."""
+    stats, rows = reduced_stats([(n, getattr(v, "stats", v)) for n, v in located], scanned)
+    # The shard rides in min_nonzero (inf: none), so the rows merge as reduced_stats merges.
+    as_stats = []
+    for name, v in located:
+        shard = getattr(v, "shard", None)
+        if shard is None:
+            shard = jnp.full(v.amax.shape, -1, jnp.int32)
+        low = jnp.where(shard >= 0, shard.astype(jnp.float32), jnp.inf)
+        zero = jnp.zeros(low.shape, jnp.float32)
+        as_stats.append((name, Stats(zero, low, zero, zero, zero, zero,
+                                     jnp.zeros(low.shape, jnp.int32),
+                                     jnp.zeros(low.shape, jnp.int32))))
+    low = reduced_stats(as_stats, scanned)[0].min_nonzero
+    return stats, rows, jnp.where(jnp.isfinite(low), low, -1).astype(jnp.int32)
 
 
 def _first_bad(named: list[tuple[str, Any]], rows: list[Row], order: list[int],
@@ -467,8 +518,8 @@ class Collector:
         return bool(self.every) or self.explain_skips
 
     def step_metrics(self, *, step: jax.Array, params: Any, grads: Any, scale: Any,
-                     bad: jax.Array, forward: Callable[[Any], Any] | None = None
-                     ) -> dict[str, Any]:
+                     bad: jax.Array, forward: Callable[[Any], Any] | None = None,
+                     batch_size: int | None = None) -> dict[str, Any]:
         """The metrics this collector adds to a step (call it under ``jit``).
 
         Args:
@@ -479,6 +530,8 @@ class Collector:
           bad: whether the step is skipped (or its loss non-finite): the search's predicate.
           forward: ``forward(reduce) -> tree`` of ``reduce(output)`` of every layer output,
             reduced as the forward pass computes it (None: no activations).
+          batch_size: the examples in the step's batch: the search names the 'data' shard
+            of the first bad layer output whose axis 0 has this size (None: it does not).
         """
         out: dict[str, Any] = {}
         forward = forward if self.activations is not None else None
@@ -519,10 +572,16 @@ class Collector:
                 result = {"grads": _first_bad(named, rows, list(range(len(rows))),
                                               prefer_inf=True)}
                 if forward is not None:
-                    stats, rows = reduced_stats(ordered_leaves(forward(reduce)), self.scanned)
+                    find, shards = _search_reduce(self.compute_dtype, batch_size)
+                    stats, rows, bad_shard = _located_rows(ordered_leaves(forward(find)),
+                                                           self.scanned)
                     self.rows["activations"] = rows
                     order = _forward_order(rows, _scanned_prefix(self.scanned))
-                    result["activations"] = _first_bad_row(stats, order, limit)
+                    found = _first_bad_row(stats, order, limit)
+                    found["shard"] = jnp.where(found["row"] >= 0, bad_shard[
+                        jnp.maximum(found["row"], 0)], -1) if rows else jnp.int32(-1)
+                    found["shards"] = jnp.int32(shards)
+                    result["activations"] = found
                 return result
 
             shapes = jax.eval_shape(search, None)
@@ -600,6 +659,9 @@ def explain(metrics: Mapping[str, Any], rows: Mapping[str, list[Row]],
             what = f"forward: {_KINDS[kind & 3]} in the output of {row.name}"
         else:
             what = f"forward amax {amax:.3g} > {limit:g} at {row.name}"
+        shard, shards = int(a.get("shard", -1)), int(a.get("shards", 1))
+        if 0 <= shard < shards:
+            what += f" (first in data shard {shard} of {shards})"
         parts.append(what)
     if not parts:
         return None

@@ -97,7 +97,8 @@ def test_scalars_and_the_skip_reason_reach_metrics_jsonl_and_tensorboard(run):
         _SCALARS, sorted([*_SCALARS, "train/skip_reasons"]), _SCALARS, _SCALARS]
     reason = f"step 2 skipped: {b.explain(steps[1])}"
     assert reason == ("step 2 skipped: NaN in the gradient of enc/kernel (element (0, 0), "
-                      "on device 0; 2 more non-finite); forward: NaN in the output of enc")
+                      "on device 0; 2 more non-finite); forward: NaN in the output of enc "
+                      "(first in data shard 0 of 2)")
     assert rows[1]["train/skip_reasons"] == [reason]
     for row, m in zip(rows, steps, strict=True):
         for name in _SCALARS:
@@ -159,7 +160,7 @@ def test_a_log_fetches_only_what_it_writes_one_call_late(run):
     assert fetches == [
         [],  # log(1): held
         [scalars, 3 * 8],  # log(2) writes step 1, collected: + 3 groups x 8 statistics
-        [scalars, 5 + 4],  # step 2, skipped: + the gradient and activation search results
+        [scalars, 5 + 6],  # step 2, skipped: + the gradient and activation search results
         [scalars, 3 * 8],  # step 3, collected
         [scalars],  # close() writes step 4, finite, not collected: the scalars only
     ]
@@ -175,7 +176,7 @@ def test_a_non_finite_loss_without_a_loss_scale_names_where(run, tmp_path):
     (row,) = read_metrics(str(tmp_path))
     assert row["train/non_finite_reason"] == (  # no shardings given: no device named
         "step 2: loss nan: NaN in the gradient of enc/kernel (element (0, 0); 2 more "
-        "non-finite); forward: NaN in the output of enc")
+        "non-finite); forward: NaN in the output of enc (first in data shard 0 of 2)")
     assert "train/skip_reasons" not in row
 
 

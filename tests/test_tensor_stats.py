@@ -268,7 +268,17 @@ def test_a_skip_names_the_forward_layer_and_the_gradient_leaf(where):
     m = jax.device_get(m)
     assert m["skipped"]
     reason = b.explain(m)
-    assert reason.endswith("; forward: inf in the output of proj"), reason
+    data = (MESHES[where]["mesh"] or {}).get("data", 1)
+    in_shard = lambda k: f" (first in data shard {k} of {data})" if data > 1 else ""
+    assert reason.endswith(f"; forward: inf in the output of proj{in_shard(0)}"), reason
+
+    # one example overflows in the first layer: the first bad output names its data shard
+    hot = (x.at[5, :4].set(6.5e4), batch[1])  # example 5 of 8
+    state, m = b.step(state.replace(params=b.init(jax.random.key(0), batch).params), hot)
+    m = jax.device_get(m)
+    shard = in_shard(5 // (8 // data))
+    assert m["skipped"] and b.explain(m).endswith(
+        f"forward: inf in the output of enc{shard}"), b.explain(m)
 
 
 # ----------------------------------------------------------------------------- jamp.inspect

@@ -192,7 +192,12 @@ def test_a_boosted_nnx_model_names_the_layer_whose_output_overflowed(mesh):
     m = jax.device_get(m)
     assert m["skipped"]
     reason = b.explain(m)
-    assert reason.endswith("; forward: inf in the output of proj"), reason
+    shard = " (first in data shard 0 of 4)" if mesh else ""  # every shard: the first
+    assert reason.endswith(f"; forward: inf in the output of proj{shard}"), reason
+    hot = (batch[0].at[5].set(6.5e4), batch[1])  # example 5 of 8 overflows enc: shard 2 of 4
+    state, m = b.step(state.replace(params=b.init(jax.random.key(0), batch).params), hot)
+    shard = " (first in data shard 2 of 4)" if mesh else ""
+    assert b.explain(jax.device_get(m)).endswith(f"forward: inf in the output of enc{shard}")
 
 
 def test_the_trainer_with_framework_nnx_writes_every_layers_output_statistics(tmp_path):
