@@ -95,12 +95,21 @@ def mesh_value_and_grad(exp: Experiment, shardings: Any, plan: zero.Plan | None 
                              pipelined=exp.pipeline is not None)
 
 
+def _without_layer_runner(module: nn.Module) -> nn.Module:
+    """The ViT (inside its ``jamp.PolicyModule``) with its blocks run by a plain scan."""
+    if hasattr(module, "layer_runner"):
+        return module.clone(layer_runner=None)
+    return module.clone(inner=_without_layer_runner(module.inner))
+
+
 def layer_outputs(exp: Experiment) -> Callable[..., Any] | None:
     """The :class:`jamp.tensor_stats.Collector`'s ``activations`` for the run's model:
     every layer's output, reduced where the forward pass computes it
     (:func:`jamp.tensor_stats.linen_activations`, or
-    :func:`jamp.tensor_stats.nnx_activations` with ``--config.framework=nnx``); None in a
-    pipeline (its stages run the layers).
+    :func:`jamp.tensor_stats.nnx_activations` with ``--config.framework=nnx``). In a
+    pipeline (linen) the same parameters run through a plain scan of the blocks, sharded
+    by the compiler, so every layer gets its row; an NNX pipeline gets None (no layer
+    outputs; gradients and parameters are still collected).
 
     Example:
       >>> from jamp.config import vit_config
@@ -111,7 +120,14 @@ def layer_outputs(exp: Experiment) -> Callable[..., Any] | None:
       'nnx_outputs'
     """
     if exp.pipeline is not None:
-        return None
+        if exp.config.framework == "nnx":
+            return None
+        # The statistics' extra forward pass runs outside the pipeline's stages: the model
+        # without its layer runner (the parameters are the same), its scan over the
+        # 'pipe'-sharded layers partitioned by the compiler.
+        plain = _without_layer_runner(exp.model).apply
+        return lambda state, variables, batch, rng, reduce: tensor_stats.linen_activations(
+            plain, variables, batch["image"], train=True, rngs={"dropout": rng}, reduce=reduce)
     if exp.config.framework == "nnx":
         def nnx_outputs(state, variables, batch, rng, reduce):
             capture = functools.partial(tensor_stats.nnx_activations, reduce=reduce)
@@ -126,7 +142,7 @@ def layer_outputs(exp: Experiment) -> Callable[..., Any] | None:
 
 def stats_collector(exp: Experiment) -> tensor_stats.Collector:
     """The run's :class:`jamp.tensor_stats.Collector`: statistics every
-    ``config.tensor_stats_every`` steps (unpipelined: also every layer's output,
+    ``config.tensor_stats_every`` steps (also every layer's output,
     :func:`layer_outputs`), and the reason of every skipped or non-finite step.
 
     Example:
