@@ -28,7 +28,6 @@ logical axis rules ``jit_train_step(exp, shardings)(state, batch, rng)``,
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -38,6 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from flax.training import train_state
 from tqdm import tqdm
 
@@ -107,9 +107,8 @@ def layer_outputs(exp: Experiment) -> Callable[..., Any] | None:
     every layer's output, reduced where the forward pass computes it
     (:func:`jamp.tensor_stats.linen_activations`, or
     :func:`jamp.tensor_stats.nnx_activations` with ``--config.framework=nnx``). In a
-    pipeline (linen) the same parameters run through a plain scan of the blocks, sharded
-    by the compiler, so every layer gets its row; an NNX pipeline gets None (no layer
-    outputs; gradients and parameters are still collected).
+    pipeline the same parameters run through a plain scan of the blocks (the model
+    without its layer runner), sharded by the compiler, so every layer gets its row.
 
     Example:
       >>> from jamp.config import vit_config
@@ -119,22 +118,28 @@ def layer_outputs(exp: Experiment) -> Callable[..., Any] | None:
       >>> layer_outputs(build_experiment(config)).__name__
       'nnx_outputs'
     """
-    if exp.pipeline is not None:
-        if exp.config.framework == "nnx":
-            return None
-        # The statistics' extra forward pass runs outside the pipeline's stages: the model
-        # without its layer runner (the parameters are the same), its scan over the
-        # 'pipe'-sharded layers partitioned by the compiler.
-        plain = _without_layer_runner(exp.model).apply
-        return lambda state, variables, batch, rng, reduce: tensor_stats.linen_activations(
-            plain, variables, batch["image"], train=True, rngs={"dropout": rng}, reduce=reduce)
+    # In a pipeline the statistics' extra forward pass runs outside the pipeline's stages:
+    # the model without its layer runner (the parameters are the same), its scan over the
+    # 'pipe'-sharded layers partitioned by the compiler.
+    pipelined = exp.pipeline is not None
     if exp.config.framework == "nnx":
         def nnx_outputs(state, variables, batch, rng, reduce):
-            capture = functools.partial(tensor_stats.nnx_activations, reduce=reduce)
+            def capture(model, *args, **kwargs):
+                if pipelined:
+                    model = nnx.clone(model)
+                    for _, module in nnx.iter_modules(model):
+                        if hasattr(module, "layer_runner"):
+                            module.layer_runner = None
+                return tensor_stats.nnx_activations(model, *args, reduce=reduce, **kwargs)
+
             return state.apply_fn(variables, batch["image"], train=True, rngs={"dropout": rng},
                                   method=capture)
 
         return nnx_outputs
+    if pipelined:
+        plain = _without_layer_runner(exp.model).apply
+        return lambda state, variables, batch, rng, reduce: tensor_stats.linen_activations(
+            plain, variables, batch["image"], train=True, rngs={"dropout": rng}, reduce=reduce)
     return lambda state, variables, batch, rng, reduce: tensor_stats.linen_activations(
         state.apply_fn, variables, batch["image"], train=True, rngs={"dropout": rng},
         reduce=reduce)

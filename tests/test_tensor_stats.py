@@ -387,7 +387,7 @@ def test_the_gradient_search_prefers_a_leaf_holding_inf_alone_over_an_earlier_na
 # ----------------------------------------------------------------------------- a pipeline
 
 
-def _pipeline_run(mesh, every=1, seed=0):
+def _pipeline_run(mesh, framework="linen", every=1, seed=0):
     from jamp import data, experiment, parallel, train
     from jamp.config import vit_config
 
@@ -395,6 +395,7 @@ def _pipeline_run(mesh, every=1, seed=0):
     c.num_layers, c.hidden_size, c.num_heads, c.mlp_dim, c.batch_size = 2, 16, 2, 16, 16
     c.mesh.data, c.mesh.pipe, c.pipeline_microbatches = mesh["data"], mesh.get("pipe", 1), 2
     c.tensor_stats_every, c.max_steps, c.seed, c.warmup_steps = every, 2, seed, 1
+    c.framework = framework
     c.loss_scale.init_scale = 2.0**8
     exp = experiment.build_experiment(c)
     local = next(iter(data.train_loader(exp.info, image_size=c.image_size,
@@ -410,12 +411,13 @@ def _pipeline_run(mesh, every=1, seed=0):
         return exp, collector, step, state, batch
 
 
-def test_a_pipeline_collects_every_layer_output_as_the_unpipelined_model_does():
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_a_pipeline_collects_every_layer_output_as_the_unpipelined_model_does(framework):
     from jamp import parallel
 
     tables = {}
     for name, mesh in (("pipe", {"data": 4, "pipe": 2}), ("plain", {"data": 8})):
-        exp, collector, step, state, batch = _pipeline_run(mesh)
+        exp, collector, step, state, batch = _pipeline_run(mesh, framework)
         assert (exp.pipeline is not None) == (name == "pipe")
         with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
             state, m = step(state, batch, jax.random.key(1))
@@ -425,17 +427,19 @@ def test_a_pipeline_collects_every_layer_output_as_the_unpipelined_model_does():
         if name != "pipe":
             continue
         # the second stage's first MLP layer overflows: the skip names it
+        fc1 = ["mlp", "fc1"] if framework == "nnx" else ["MlpBlock_0", "Dense_0"]
+
         def hot(path, p):
             keys = [getattr(k, "key", "") for k in path]
-            return p.at[1].add(7e4) if keys[-3:] == ["MlpBlock_0", "Dense_0", "bias"] else p
+            return p.at[1].add(7e4) if keys[-3:] == [*fc1, "bias"] else p
         hot_state = state.replace(params=jax.tree_util.tree_map_with_path(hot, state.params))
         with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
             _, m = step(hot_state, batch, jax.random.key(2))
         m = jax.device_get(m)
         assert m["skipped"] and collector.explain(m).endswith(
-            "forward: inf in the output of encoder/layers/1/MlpBlock_0/Dense_0 "
+            f"forward: inf in the output of encoder/layers/1/{'/'.join(fc1)} "
             "(first in data shard 0 of 4)"), collector.explain(m)
-    assert "encoder/layers/1/MlpBlock_0/Dense_0" in tables["pipe"]
+    assert f"encoder/layers/1/{'/'.join(fc1)}" in tables["pipe"]
     assert list(tables["pipe"]) == list(tables["plain"])  # every layer, in forward order
     for row, stats in tables["plain"].items():
         np.testing.assert_allclose(tables["pipe"][row]["amax"], stats["amax"], rtol=1e-3,
