@@ -127,7 +127,9 @@ def layer_outputs(exp: Experiment) -> Callable[..., Any] | None:
             def capture(model, *args, **kwargs):
                 if pipelined:
                     model = nnx.clone(model)
-                    for _, module in nnx.iter_modules(model):
+                    modules = (nnx.iter_modules(model) if hasattr(nnx, "iter_modules")
+                               else model.iter_modules())  # flax < 0.12
+                    for _, module in modules:
                         if hasattr(module, "layer_runner"):
                             module.layer_runner = None
                 return tensor_stats.nnx_activations(model, *args, reduce=reduce, **kwargs)

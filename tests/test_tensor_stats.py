@@ -429,7 +429,7 @@ def test_a_pipeline_collects_every_layer_output_as_the_unpipelined_model_does(fr
         # the second stage's first MLP layer overflows: the skip names it
         fc1 = ["mlp", "fc1"] if framework == "nnx" else ["MlpBlock_0", "Dense_0"]
 
-        def hot(path, p):
+        def hot(path, p, fc1=fc1):
             keys = [getattr(k, "key", "") for k in path]
             return p.at[1].add(7e4) if keys[-3:] == [*fc1, "bias"] else p
         hot_state = state.replace(params=jax.tree_util.tree_map_with_path(hot, state.params))
