@@ -148,8 +148,11 @@ def array_stats(x: jax.Array, dtype: Any = None, scale: jax.Array | float = 1.0,
     tiny = jnp.asarray(float(info.smallest_normal), wide)
     half_sub = jnp.asarray(float(info.smallest_subnormal) / 2, wide)
     count = lambda m: jnp.sum(m, axis=axes, dtype=jnp.int32)  # int32: exact past 2**24
-    zeros, under, flushed = count(a == 0), count(nonzero & (a < tiny)), count(
-        nonzero & (a <= half_sub))
+    zeros, under = count(a == 0), count(nonzero & (a < tiny))
+    if float(jnp.finfo(x.dtype).smallest_subnormal) > float(info.smallest_subnormal) / 2:
+        flushed = jnp.zeros(zeros.shape, jnp.int32)  # x cannot hold such a value: no reduction
+    else:
+        flushed = count(nonzero & (a <= half_sub))
     nan_count, inf_count = count(nan), count(inf)
     amax = jnp.max(jnp.where(nan, 0, a), axis=axes, initial=0)
     amax = jnp.where(nan_count > 0, jnp.nan, amax)

@@ -56,7 +56,9 @@ def test_statistics_equal_numpys(dtype, shape):
     x = rng.choice(SPECIALS, size=shape) * rng.uniform(0.5, 2.0, size=shape)
     x = jnp.asarray(x, dtype)  # the array as it is held: values already rounded to dtype
     for against in (jnp.float16, jnp.bfloat16):
-        assert_matches(ts.array_stats(x, against), numpy_stats(np.asarray(x, np.float64), against))
+        ref = numpy_stats(np.asarray(x, np.float64), against)
+        assert_matches(ts.array_stats(x, against), ref)
+        assert_matches(jax.jit(ts.array_stats, static_argnums=1)(x, against), ref)  # traced
 
 
 def test_scaled_gradients_report_unscaled_magnitudes_and_scaled_headroom():
