@@ -389,60 +389,78 @@ def test_the_gradient_search_prefers_a_leaf_holding_inf_alone_over_an_earlier_na
 # ----------------------------------------------------------------------------- a pipeline
 
 
-def _pipeline_run(mesh, framework="linen", every=1, seed=0):
-    from jamp import data, experiment, parallel, train
+def _pipeline_config(mesh, framework):
     from jamp.config import vit_config
 
     c = vit_config("fp16")
     c.num_layers, c.hidden_size, c.num_heads, c.mlp_dim, c.batch_size = 2, 16, 2, 16, 16
     c.mesh.data, c.mesh.pipe, c.pipeline_microbatches = mesh["data"], mesh.get("pipe", 1), 2
-    c.tensor_stats_every, c.max_steps, c.seed, c.warmup_steps = every, 2, seed, 1
-    c.framework = framework
+    c.tensor_stats_every, c.max_steps, c.warmup_steps, c.framework = 1, 2, 1, framework
     c.loss_scale.init_scale = 2.0**8
-    exp = experiment.build_experiment(c)
-    local = next(iter(data.train_loader(exp.info, image_size=c.image_size,
-                                        global_batch_size=c.batch_size, seed=0)))
-    rng = jax.random.key(seed)
-    with jax.set_mesh(exp.mesh):
-        abstract, shardings = experiment.state_shardings(exp, rng)
-        state = experiment.init_state(exp, rng, shardings)
-    with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
-        collector = train.stats_collector(exp)
-        step = train.jit_train_step(exp, shardings, abstract, collector)
-        batch = {k: jax.device_put(v, parallel.batch_sharding(exp.mesh)) for k, v in local.items()}
-        return exp, collector, step, state, batch
+    return c
+
+
+def _plain_layer_outputs(c, params, images):
+    """The reference: the unpipelined model (data=8, no layer runner) on one device, its
+    layer outputs' statistics by name."""
+    import types
+
+    from jamp import experiment, train
+
+    c = c.copy_and_resolve_references()
+    c.mesh.data, c.mesh.pipe = 8, 1
+    plain = experiment.build_experiment(c)
+    assert plain.pipeline is None
+    outputs, names = train.layer_outputs(plain), []
+
+    def forward(params, images):
+        tree = outputs(types.SimpleNamespace(apply_fn=plain.apply_fn), {"params": params},
+                       {"image": images}, jax.random.key(0),
+                       lambda x: ts.array_stats(x, jnp.float16))
+        stats, rows = ts.reduced_stats(ts.ordered_leaves(tree), ("layers",))
+        names[:] = [r.name for r in rows]
+        return stats.amax
+
+    amax = jax.jit(forward)(params, images)
+    return dict(zip(names, np.asarray(amax).tolist(), strict=True))
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 def test_a_pipeline_collects_every_layer_output_as_the_unpipelined_model_does(framework):
-    from jamp import parallel
+    from jamp import data, experiment, parallel, train
 
-    tables = {}
-    for name, mesh in (("pipe", {"data": 4, "pipe": 2}), ("plain", {"data": 8})):
-        exp, collector, step, state, batch = _pipeline_run(mesh, framework)
-        assert (exp.pipeline is not None) == (name == "pipe")
-        with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
-            state, m = step(state, batch, jax.random.key(1))
-        m = jax.device_get(m)
-        assert m["tensor_stats_collected"] and not m["skipped"]
-        tables[name] = ts.table(m, collector.rows)["activations"]
-        if name != "pipe":
-            continue
-        # the second stage's first MLP layer overflows: the skip names it
-        fc1 = ["mlp", "fc1"] if framework == "nnx" else ["MlpBlock_0", "Dense_0"]
+    c = _pipeline_config({"data": 4, "pipe": 2}, framework)
+    exp = experiment.build_experiment(c)
+    assert exp.pipeline is not None
+    local = next(iter(data.train_loader(exp.info, image_size=c.image_size,
+                                        global_batch_size=c.batch_size, seed=0)))
+    rng = jax.random.key(0)
+    with jax.set_mesh(exp.mesh):
+        abstract, shardings = experiment.state_shardings(exp, rng)
+        state = experiment.init_state(exp, rng, shardings)
+    expected = _plain_layer_outputs(c, jax.device_get(state.params), local["image"])
+    with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+        collector = train.stats_collector(exp)
+        step = train.jit_train_step(exp, shardings, abstract, collector)
+        batch = {k: jax.device_put(v, parallel.batch_sharding(exp.mesh)) for k, v in local.items()}
+        state, m = step(state, batch, jax.random.key(1))
+    m = jax.device_get(m)
+    assert m["tensor_stats_collected"] and not m["skipped"]
+    table = ts.table(m, collector.rows)["activations"]
+    fc1 = ["mlp", "fc1"] if framework == "nnx" else ["MlpBlock_0", "Dense_0"]
+    assert f"encoder/layers/1/{'/'.join(fc1)}" in table
+    assert list(table) == list(expected)  # every layer of both stages, in forward order
+    for row, amax in expected.items():
+        np.testing.assert_allclose(table[row]["amax"], amax, rtol=1e-3, err_msg=row)
 
-        def hot(path, p, fc1=fc1):
-            keys = [getattr(k, "key", "") for k in path]
-            return p.at[1].add(7e4) if keys[-3:] == [*fc1, "bias"] else p
-        hot_state = state.replace(params=jax.tree_util.tree_map_with_path(hot, state.params))
-        with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
-            _, m = step(hot_state, batch, jax.random.key(2))
-        m = jax.device_get(m)
-        assert m["skipped"] and collector.explain(m).endswith(
-            f"forward: inf in the output of encoder/layers/1/{'/'.join(fc1)} "
-            "(first in data shard 0 of 4)"), collector.explain(m)
-    assert f"encoder/layers/1/{'/'.join(fc1)}" in tables["pipe"]
-    assert list(tables["pipe"]) == list(tables["plain"])  # every layer, in forward order
-    for row, stats in tables["plain"].items():
-        np.testing.assert_allclose(tables["pipe"][row]["amax"], stats["amax"], rtol=1e-3,
-                                   err_msg=row)
+    # the second stage's first MLP layer overflows: the skip names it
+    def hot(path, p):
+        keys = [getattr(k, "key", "") for k in path]
+        return p.at[1].add(7e4) if keys[-3:] == [*fc1, "bias"] else p
+    hot_state = state.replace(params=jax.tree_util.tree_map_with_path(hot, state.params))
+    with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+        _, m = step(hot_state, batch, jax.random.key(2))
+    m = jax.device_get(m)
+    assert m["skipped"] and collector.explain(m).endswith(
+        f"forward: inf in the output of encoder/layers/1/{'/'.join(fc1)} "
+        "(first in data shard 0 of 4)"), collector.explain(m)
