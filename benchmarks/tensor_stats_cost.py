@@ -120,9 +120,9 @@ def to_markdown(result: dict[str, Any]) -> str:
               "(every_100 was 1.23x). What every_step still pays on XLA:CPU: the second "
               "forward pass (about 0.29x; amax alone costs that) and the seven reductions per "
               "layer output on its emulated float16 (about 0.18x). On an H100 (jax 0.11.2) "
-              "every_100 cost 1.28x, and blocks of steps took as long to enqueue as to run: "
-              "the steps with a cond whose branch runs a forward pass wait on the host "
-              "(results/tensor_stats_cost-nvidia-h100-2026-11-26.md).",
+              "every_100 cost 1.28x: the host waited inside every step (plain too: blocks "
+              "took as long to enqueue as to run) and the steps that collect nothing paid "
+              "1.6 ms more (results/gpu_costs-nvidia-h100-2026-11-26.md).",
               "", "Statistics: amax, smallest non-zero, zero/underflow/flush shares, headroom "
               "bits, NaN and inf counts of every gradient, parameter and layer output (per "
               "scanned layer). ms/step of a block of steps (one call per step, as the trainer "
