@@ -281,6 +281,11 @@ def test_a_skip_names_the_forward_layer_and_the_gradient_leaf(where):
     shard = in_shard(5 // (8 // data))
     assert m["skipped"] and b.explain(m).endswith(
         f"forward: inf in the output of enc{shard}"), b.explain(m)
+    # NaN (which no max or comparison keeps by itself) in example 3: its shard
+    state, m = b.step(state, (x.at[3, 0].set(jnp.nan), batch[1]))
+    m = jax.device_get(m)
+    assert m["skipped"] and b.explain(m).endswith(
+        f"forward: NaN in the output of enc{in_shard(3 // (8 // data))}"), b.explain(m)
 
 
 # ----------------------------------------------------------------------------- jamp.inspect
