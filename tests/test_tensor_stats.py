@@ -172,6 +172,23 @@ def test_shards_combine_exactly_nan_and_infs_in_one_shard_and_no_replica_counted
     clean[7, 7] = np.nan  # NaN in the last shard only: the max must still say NaN
     s = f(jax.device_put(clean, NamedSharding(mesh, P("data", "model"))))
     assert np.isnan(s.amax[0]) and int(s.nan_count[0]) == 1
+    # a scanned leaf (a row per layer) split over its layers, or within each layer
+    rows = jax.jit(lambda a: ts.array_stats(a, jnp.float16, split=True))
+    for spec in (P("data", "model"), P("data"), P(None, "data")):
+        s = rows(jax.device_put(x, NamedSharding(mesh, spec)))
+        for layer in range(8):
+            assert_matches(s, numpy_stats(x[layer], jnp.float16), row=layer)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_the_statistics_read_the_array_once_in_one_integer_reduction(dtype):
+    # Seven reductions of each layer output (or one with float operands) made every-step
+    # statistics cost 1.54x (2.0x) the plain step on XLA:CPU; one integer pass, 1.33x.
+    jaxpr = jax.make_jaxpr(lambda a: ts.array_stats(a, jnp.float16))(jnp.ones((4, 8), dtype))
+    reductions = [e for e in jaxpr.eqns if e.primitive.name.startswith(("reduce", "arg"))
+                  and e.primitive.name not in ("reduce_precision",)]
+    assert [e.primitive.name for e in reductions] == ["reduce"], jaxpr
+    assert all(jnp.issubdtype(v.aval.dtype, jnp.integer) for v in reductions[0].invars), jaxpr
 
 
 # ----------------------------------------------------------------------------- off / on

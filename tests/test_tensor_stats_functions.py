@@ -195,7 +195,8 @@ def test_collecting_holds_one_output_at_a_time_not_all():
     reduced = {d: scratch(d, keep=False) for d in (2, 16)}
     kept = {d: scratch(d, keep=True) for d in (2, 16)}
     assert reduced[16] <= 1.1 * reduced[2] + 2**16, reduced
-    assert kept[16] > 4 * kept[2], kept  # the measure can tell the two apart
+    # the measure can tell the two apart: kept, the 14 more layers' outputs are held
+    assert kept[16] - kept[2] >= 14 * x.size * 4, kept
 
 
 def test_a_boosted_function_skip_names_the_layer_whose_matmul_overflowed():
