@@ -743,38 +743,58 @@ def linen_activations(apply_fn: Callable[..., Any], variables: Mapping[str, Any]
       ('b', (1,))
     """
     order: list[tuple[str, ...]] = []
+    floating = lambda x: hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
     def wanted(module: Any, method_name: str) -> bool:
-        if method_name != "__call__" or isinstance(module, nn.Dropout):  # its input, masked
-            return False
+        # nn.Dropout's output is its input, masked
+        return method_name == "__call__" and not isinstance(module, nn.Dropout)
+
+    def record(module: Any, y: Any) -> None:
         path = tuple(module.scope.path) if module.scope is not None else ()
-        if path not in order:
+        if path not in order and any(floating(x) for x in jax.tree_util.tree_leaves(y)):
             order.append(path)
+
+    def capture(module: Any, method_name: str) -> bool:  # flax's capture_intermediates
+        if not wanted(module, method_name):
+            return False
+        if module.scope is not None and module.scope.path not in order:
+            order.append(tuple(module.scope.path))
         return True
 
     def reduce_floating(y: Any) -> Any:
-        floating = lambda x: hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
         return jax.tree_util.tree_map(lambda x: reduce(x) if floating(x) else None, y)
 
     def interceptor(next_fun, call_args, call_kwargs, context):
         y = next_fun(*call_args, **call_kwargs)
         module = context.module
         if module.scope is not None and wanted(module, context.method_name):
+            record(module, y)
             module.sow("intermediates", "__call__", reduce_floating(y))
         return y
 
-    call = dict(capture_intermediates=wanted) if reduce is None else {}
+    call = dict(capture_intermediates=capture) if reduce is None else {}
     with nn.intercept_methods(interceptor) if reduce is not None else contextlib.nullcontext():
         _, captured = apply_fn(dict(variables), *args, mutable=[*mutable, "intermediates"],
                                **call, **kwargs)
-    tree, out = captured["intermediates"], {}
+    tree, out, lost = captured.get("intermediates", {}), {}, []
     for path in order:
         node = tree
         for part in path:
             node = node.get(part, {}) if isinstance(node, Mapping) else {}
         if isinstance(node, Mapping) and "__call__" in node:
             out["/".join(path)] = {"__call__": node["__call__"]}
+        else:
+            lost.append("/".join(path))
+    if lost:
+        warnings.warn(f"linen_activations: the outputs of {', '.join(lost)} were computed "
+                      f"inside a lifted transform that drops the 'intermediates' collection, "
+                      f"so they have no rows: {_LINEN_LIFTED}", stacklevel=2)
     return out
+
+
+_LINEN_LIFTED = ("declare it on the transform, e.g. nn.scan(Block, variable_axes={'params': 0, "
+                 "'intermediates': 0}, ...) (likewise nn.vmap), and name the scan in the "
+                 "collector's scanned=(...) for a row per layer.")
 
 
 class _LayerOutput(nnx.Intermediate):

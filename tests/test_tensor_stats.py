@@ -2,6 +2,8 @@
 off, and a skipped step names the layer (forward) and the gradient leaf that went bad, on
 several meshes and at ZeRO-3."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -128,6 +130,44 @@ def test_reduced_layer_outputs_equal_the_statistics_of_the_captured_outputs():
     assert [r.name for r in rows] == ["embed", "layers/norm", "layers/mlp", "layers", "head",
                                       "(output)"]
     assert float(merged.amax[1]) == float(jnp.max(got.amax[1:4]))
+
+
+class _ThirdPartyStack(nn.Module):
+    """An ``nn.scan`` as many models write it: only 'params' stacked, and an int output."""
+
+    declare: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        axes = {"params": 0, "intermediates": 0} if self.declare else {"params": 0}
+        x = nn.Dense(4, name="embed")(x)
+        x, _ = nn.scan(_Block, variable_axes=axes, split_rngs={"params": True},
+                       length=2)(name="layers")(x, None)
+        _ArgMax(name="ids")(x)  # no floating output: nothing to report, nothing lost
+        return nn.Dense(2, name="head")(x)
+
+
+class _ArgMax(nn.Module):
+    def __call__(self, x):
+        return jnp.argmax(x, -1)
+
+
+@pytest.mark.parametrize("reduce", [None, "array_stats"])
+def test_layer_outputs_a_scan_drops_are_named_in_a_warning_not_lost_silently(reduce):
+    x = jnp.ones((2, 3))
+    kw = {} if reduce is None else {"reduce": lambda y: ts.array_stats(y, jnp.float16)}
+    model = _ThirdPartyStack()
+    v = model.init(jax.random.key(0), x)
+    with pytest.warns(UserWarning, match=r"layers/norm, layers/mlp, layers were computed "
+                      r"inside a lifted transform .*'intermediates': 0"):
+        out = ts.linen_activations(model.apply, v, x, **kw)
+    assert [k for k in out if k != "ids"] == ["embed", "head", ""]  # raw capture keeps ints
+    declared = _ThirdPartyStack(declare=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # declared: every layer has its row, no warning
+        out = ts.linen_activations(declared.apply, v, x, **kw)
+    rows = [n for n, _ in ts.ordered_leaves(out)]
+    assert rows[:4] == ["embed", "layers/norm", "layers/mlp", "layers"] and "ids" not in rows
 
 
 def _scratch_bytes(f, *args):
