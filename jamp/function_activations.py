@@ -36,6 +36,7 @@ import functools
 import importlib.util
 import os
 import sysconfig
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -103,6 +104,8 @@ class _Run:
     reduce: Callable[[jax.Array], Any]
     entries: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
     seen: dict[str, int] = dataclasses.field(default_factory=dict)
+    hidden: list[str] = dataclasses.field(default_factory=list)
+    """Where matmuls ran inside a body that is evaluated as it is (no rows)."""
 
     def count(self, name: str) -> int:
         self.seen[name] = self.seen.get(name, 0) + 1
@@ -144,11 +147,30 @@ def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], run: _Ru
                 outs = _scan(eqn, invals, run, _join(where + (f"#{n}" if n > 1 else ""), SCAN))
             else:
                 outs = _bind(eqn, invals)
+                if name not in _DOTS and _dots_within(eqn.params.values()):
+                    where = _join(prefix, str(here) or _user_line(eqn))
+                    run.hidden.append(f"{name} at {where}" if where else name)
         if name in _DOTS:
             run.add(_join(prefix, f"{here}/{name}" if str(here) else
                           f"{_user_line(eqn)} {name}"), outs[0])
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _dots_within(params: Any) -> bool:
+    """Whether a matmul or convolution is inside the jaxprs among ``params`` (a cond's
+    branches, a while loop's body, a ``shard_map``'s jaxpr...)."""
+    for p in params:
+        if isinstance(p, list | tuple):
+            if _dots_within(p):
+                return True
+            continue
+        jaxpr = getattr(p, "jaxpr", p)
+        if isinstance(jaxpr, jex.Jaxpr) and any(
+                e.primitive.name in _DOTS or _dots_within(e.params.values())
+                for e in jaxpr.eqns):
+            return True
+    return False
 
 
 def _scan(eqn: jex.JaxprEqn, invals: Sequence[Any], run: _Run, where: str) -> list:
@@ -162,7 +184,7 @@ def _scan(eqn: jex.JaxprEqn, invals: Sequence[Any], run: _Run, where: str) -> li
     names: list[str] = []
 
     def step(c, x):
-        inner = _Run(run.reduce)  # afresh each time the body is traced
+        inner = _Run(run.reduce, hidden=run.hidden)  # afresh each time the body is traced
         out = _eval(body, body_consts, [*consts, *c, *x], inner, where, NameStack())
         names[:] = [n for n, _ in inner.entries]
         return out[:n_carry], (out[n_carry:], [r for _, r in inner.entries])
@@ -197,7 +219,8 @@ def function_activations(fn: Callable[..., Any], *args: Any,
     statistics, not one to differentiate). A ``lax.scan`` (stacked layers) runs again with
     each of its body's results stacked over the iterations, under a path component
     :data:`SCAN` (list it in ``scanned`` for one row per layer). The bodies of
-    ``lax.while_loop`` and ``lax.cond`` run as they are: their matmuls have no rows.
+    ``lax.while_loop`` and ``lax.cond`` run as they are: their matmuls have no rows, and a
+    warning says where they are.
 
     Example:
       >>> import jax, jax.numpy as jnp, jamp
@@ -235,4 +258,11 @@ def function_activations(fn: Callable[..., Any], *args: Any,
     outputs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), outs)
     for path, y in named_leaves(outputs):
         run.add(_join("(output)", path), y)
+    if run.hidden:
+        where = ", ".join(dict.fromkeys(run.hidden))
+        warnings.warn(f"function_activations: the matmuls inside {where} have no rows (the "
+                      "bodies of lax.cond, lax.while_loop and other control flow run as they "
+                      "are): their overflows show in the first layer after them. For a row "
+                      "per layer, run stacked layers with lax.scan.",
+                      stacklevel=2)
     return {name: {"__call__": (value,)} for name, value in run.entries}

@@ -579,8 +579,12 @@ class Collector:
             shapes = jax.eval_shape(collect, None)
             empty = lambda _: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
                                                      shapes)
-            collected = step % self.every == 0
-            out["tensor_stats"] = jax.lax.cond(collected, collect, empty, None)
+            if self.every == 1:  # every step: no cond (XLA:GPU reads its predicate on the host)
+                collected = jnp.bool_(True)
+                out["tensor_stats"] = collect(None)
+            else:
+                collected = step % self.every == 0
+                out["tensor_stats"] = jax.lax.cond(collected, collect, empty, None)
             out["tensor_stats_collected"] = collected
         if self.explain_skips:
             limit = float(jnp.finfo(self.compute_dtype).max)

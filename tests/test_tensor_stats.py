@@ -248,6 +248,8 @@ def test_off_adds_no_operation_and_on_adds_conds():
     skips_only = _step_jaxpr(ts.Collector(every=0))
     assert skips_only.count("cond[") == plain.count("cond[") + 1
     assert _step_jaxpr(ts.Collector(every=100)).count("cond[") == plain.count("cond[") + 2
+    # every step: the statistics need no cond (on a GPU its predicate is read on the host)
+    assert _step_jaxpr(ts.Collector(every=1)).count("cond[") == plain.count("cond[") + 1
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "x", True])
