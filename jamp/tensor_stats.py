@@ -576,15 +576,14 @@ class Collector:
                         named_leaves(tree), self.compute_dtype, s, self.scanned)
                 return result
 
+            # A cond even for every=1: it orders the statistics' forward pass after the
+            # step's. Without it, XLA:CPU aborted a pipelined step (its collectives and
+            # the statistics' ran in different orders on different devices).
             shapes = jax.eval_shape(collect, None)
             empty = lambda _: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
                                                      shapes)
-            if self.every == 1:  # every step: no cond (XLA:GPU reads its predicate on the host)
-                collected = jnp.bool_(True)
-                out["tensor_stats"] = collect(None)
-            else:
-                collected = step % self.every == 0
-                out["tensor_stats"] = jax.lax.cond(collected, collect, empty, None)
+            collected = step % self.every == 0
+            out["tensor_stats"] = jax.lax.cond(collected, collect, empty, None)
             out["tensor_stats_collected"] = collected
         if self.explain_skips:
             limit = float(jnp.finfo(self.compute_dtype).max)

@@ -248,8 +248,6 @@ def test_off_adds_no_operation_and_on_adds_conds():
     skips_only = _step_jaxpr(ts.Collector(every=0))
     assert skips_only.count("cond[") == plain.count("cond[") + 1
     assert _step_jaxpr(ts.Collector(every=100)).count("cond[") == plain.count("cond[") + 2
-    # every step: the statistics need no cond (on a GPU its predicate is read on the host)
-    assert _step_jaxpr(ts.Collector(every=1)).count("cond[") == plain.count("cond[") + 1
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "x", True])
@@ -453,20 +451,21 @@ def test_the_gradient_search_prefers_a_leaf_holding_inf_alone_over_an_earlier_na
 # ----------------------------------------------------------------------------- a pipeline
 
 
-def _pipeline_config(mesh, framework):
+def _pipeline_config(mesh, framework, mode="fp16"):
     from jamp.config import vit_config
 
-    c = vit_config("fp16")
+    c = vit_config(mode)
     c.num_layers, c.hidden_size, c.num_heads, c.mlp_dim, c.batch_size = 2, 16, 2, 16, 16
     c.mesh.data, c.mesh.pipe, c.pipeline_microbatches = mesh["data"], mesh.get("pipe", 1), 2
     c.tensor_stats_every, c.max_steps, c.warmup_steps, c.framework = 1, 2, 1, framework
-    c.loss_scale.init_scale = 2.0**8
+    if mode == "fp16":
+        c.loss_scale.init_scale = 2.0**8
     return c
 
 
-def _plain_layer_outputs(c, params, images):
+def _plain_layer_outputs(c, variables, images):
     """The reference: the unpipelined model (data=8, no layer runner) on one device, its
-    layer outputs' statistics by name."""
+    layer outputs' statistics by name (``variables``: the parameters and the fp8 state)."""
     import types
 
     from jamp import experiment, train
@@ -477,23 +476,24 @@ def _plain_layer_outputs(c, params, images):
     assert plain.pipeline is None
     outputs, names = train.layer_outputs(plain), []
 
-    def forward(params, images):
-        tree = outputs(types.SimpleNamespace(apply_fn=plain.apply_fn), {"params": params},
+    def forward(variables, images):
+        tree = outputs(types.SimpleNamespace(apply_fn=plain.apply_fn), variables,
                        {"image": images}, jax.random.key(0),
                        lambda x: ts.array_stats(x, jnp.float16))
         stats, rows = ts.reduced_stats(ts.ordered_leaves(tree), ("layers",))
         names[:] = [r.name for r in rows]
         return stats.amax
 
-    amax = jax.jit(forward)(params, images)
+    amax = jax.jit(forward)(variables, images)
     return dict(zip(names, np.asarray(amax).tolist(), strict=True))
 
 
-@pytest.mark.parametrize("framework", ["linen", "nnx"])
-def test_a_pipeline_collects_every_layer_output_as_the_unpipelined_model_does(framework):
+@pytest.mark.parametrize("framework,mode", [("linen", "fp16"), ("nnx", "fp16"),
+                                            ("linen", "fp8")])
+def test_a_pipeline_collects_every_layer_output_as_the_unpipelined_model_does(framework, mode):
     from jamp import data, experiment, parallel, train
 
-    c = _pipeline_config({"data": 4, "pipe": 2}, framework)
+    c = _pipeline_config({"data": 4, "pipe": 2}, framework, mode)
     exp = experiment.build_experiment(c)
     assert exp.pipeline is not None
     local = next(iter(data.train_loader(exp.info, image_size=c.image_size,
@@ -502,7 +502,8 @@ def test_a_pipeline_collects_every_layer_output_as_the_unpipelined_model_does(fr
     with jax.set_mesh(exp.mesh):
         abstract, shardings = experiment.state_shardings(exp, rng)
         state = experiment.init_state(exp, rng, shardings)
-    expected = _plain_layer_outputs(c, jax.device_get(state.params), local["image"])
+    variables = {"params": state.params, **jamp.step.differentiated_variables(state)}
+    expected = _plain_layer_outputs(c, jax.device_get(variables), local["image"])
     with jax.set_mesh(exp.mesh), nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
         collector = train.stats_collector(exp)
         step = train.jit_train_step(exp, shardings, abstract, collector)
@@ -514,8 +515,13 @@ def test_a_pipeline_collects_every_layer_output_as_the_unpipelined_model_does(fr
     fc1 = ["mlp", "fc1"] if framework == "nnx" else ["MlpBlock_0", "Dense_0"]
     assert f"encoder/layers/1/{'/'.join(fc1)}" in table
     assert list(table) == list(expected)  # every layer of both stages, in forward order
+    # The same up to rounding: another sharding sums in another order. fp8 rounds the
+    # matmuls' inputs to 3 mantissa bits, so one flipped rounding moves an output by %.
+    rtol = 1.01 * 2.0**-10 if mode == "fp16" else 0.05
     for row, amax in expected.items():
-        np.testing.assert_allclose(table[row]["amax"], amax, rtol=1e-3, err_msg=row)
+        np.testing.assert_allclose(table[row]["amax"], amax, rtol=rtol, err_msg=row)
+    if mode != "fp16":
+        return  # fp8 computes in bfloat16: a bias of 7e4 does not overflow it
 
     # the second stage's first MLP layer overflows: the skip names it
     def hot(path, p):
