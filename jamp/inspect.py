@@ -132,8 +132,13 @@ class Inspection:
         """Writes the heat map of log2 amax per layer over the steps (one panel per mode and
         group) and the gradients' underflow share; returns ``path``.
 
+        Raises:
+          ValueError: ``path`` is a directory, its directory does not exist, or its
+            extension is not an image format matplotlib writes (``.png``, ``.svg``, ``.pdf``...).
+
         Example: see the module docstring (``report.plot("inspect.png")``).
         """
+        _check_plot_path(path)
         import matplotlib
 
         matplotlib.use("Agg")
@@ -177,6 +182,32 @@ class Inspection:
 
     def _names(self, run: ModeRun, group: str) -> list[str]:
         return [n for n in run.names(group) if not self.layer or n.startswith(self.layer)]
+
+
+def _check_plot_path(path: str) -> str:
+    """``path`` if :meth:`Inspection.plot` can write its picture there; else one clear
+    ``ValueError`` naming the fix (checked before any step runs).
+
+    Example:
+      >>> _check_plot_path("inspect.svg")
+      'inspect.svg'
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    name = os.fspath(path)
+    where = os.path.dirname(os.path.abspath(name))
+    if os.path.isdir(name) or name.endswith(("/", os.sep)):
+        raise ValueError(f"--out {name}: that is a directory; give the picture's file name, "
+                         f"e.g. {os.path.join(name, 'inspect.png')}.")
+    if not os.path.isdir(where):
+        raise ValueError(f"--out {name}: the directory {where} does not exist.")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    extension = os.path.splitext(name)[1].lstrip(".").lower()
+    if extension not in formats:
+        what = f".{extension} is not an image format" if extension else "no extension"
+        raise ValueError(f"--out {name}: {what}; end the name with .png (or one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}).")
+    return name
 
 
 def _config(config: Any, overrides: dict[str, Any] | None) -> Any:
@@ -370,10 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"{', '.join(COLUMNS)}.")
         if args.top < 0:
             raise ValueError(f"--top={args.top}: use 0 (all rows) or more.")
-        out_dir = os.path.dirname(os.path.abspath(args.out))
-        if not os.path.isdir(out_dir):
-            raise ValueError(f"--out {args.out}: the directory {out_dir} does not exist.")
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        _check_plot_path(args.out)
+        modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
         from jamp.policy import mixed_precision
         for mode in modes:
             mixed_precision(mode)  # an unknown mode: its own clear message

@@ -368,6 +368,21 @@ def test_inspect_bad_values_one_line_exit_2_nothing_written(args, message, tmp_p
     assert not out.exists()
 
 
+def test_inspect_refuses_a_picture_it_cannot_write_before_any_step(tmp_path, capsys):
+    from jamp.inspect import main
+
+    for out, message in [(f"{tmp_path}", "that is a directory; give the picture's file name"),
+                         (f"{tmp_path}/sub/", "that is a directory"),
+                         (f"{tmp_path}/no/heat.png", "does not exist"),
+                         (f"{tmp_path}/heat.txt", ".txt is not an image format"),
+                         (f"{tmp_path}/heat", "no extension; end the name with .png")]:
+        # the default recipe and 8 steps per mode: refused before the first one
+        assert main(["--config", "vit_fp16", "--out", out]) == 2, out
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_inspect_prints_table_advice_and_writes_the_heat_map(tmp_path, capsys):
     from jamp.inspect import main
 
