@@ -143,6 +143,37 @@ def test_the_model_is_left_as_it_was_even_when_the_call_raises():
         ts.nnx_activations(lambda x: x, jnp.ones(1))
 
 
+class _Listed(nnx.Module):
+    """An ``nnx.Sequential`` and an ``nnx.List`` of layers, as NNX models often hold them."""
+
+    def __init__(self, rngs=None):
+        rngs = rngs or nnx.Rngs(0)
+        self.seq = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), jax.nn.relu,
+                                  nnx.Linear(4, 4, rngs=rngs))
+        self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        x = self.seq(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "fp32"])
+def test_sequential_and_list_layers_under_every_policy_have_rows(mode):
+    # Under a policy with softmax rules (fp16, bf16) the call crosses jamp.autocast's
+    # rewrite; nnx.capture's '__captures__' beside an nnx.List's int keys crashed it
+    # ("'<' not supported between instances of 'str' and 'int'").
+    model = jamp.apply_policy(_Listed(), mode)
+    before = _snapshot(model)
+    out = ts.nnx_activations(model, jnp.ones((2, 3)), reduce=F16)
+    assert list(out) == ["seq/layers/0", "seq/layers/2", "seq", "blocks/0", "blocks/1", ""]
+    _assert_same(_snapshot(model), before)
+    assert not any("__captures__" in vars(m) for _, m in nnx.iter_modules(model))
+    ref = jamp.apply_policy(_Listed(), mode)(jnp.ones((2, 3)))
+    np.testing.assert_array_equal(out[""]["__call__"][0].amax, F16(ref).amax)
+
+
 def test_collecting_nnx_layer_outputs_holds_one_output_at_a_time_not_all():
     # As the linen test: reduced where computed, the scratch memory does not grow with depth.
     x = jnp.ones((64, 5))

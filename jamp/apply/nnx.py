@@ -208,7 +208,16 @@ def _run(module: nnx.Module, call: Callable[..., Any], mp: MixedPrecision,
         _cast((args, kwargs), mp.policy.compute_dtype), is_leaf=_is_node)
     is_node = [_is_node(x) for x in leaves]
     nodes = [module, *(x for x, n in zip(leaves, is_node, strict=True) if n)]
-    graphdef, state = nnx.split(nodes)
+    # nnx.capture (jamp.tensor_stats.nnx_activations) gives every module a '__captures__'
+    # attribute; on an nnx.List (nnx.Sequential's layers) it sits beside the int keys of
+    # the items, and nnx.merge and jax.tree_util cannot sort such keys. A list is never
+    # called, so it sows nothing: its captures stay out of the call and are put back.
+    detached = _detach_list_captures(nodes)
+    try:
+        graphdef, state = nnx.split(nodes)
+    finally:
+        for owner, captures in detached:
+            vars(owner)["__captures__"] = captures
     values = [x for x, n in zip(leaves, is_node, strict=True) if not n]
 
     def pure(state, values):
@@ -223,6 +232,21 @@ def _run(module: nnx.Module, call: Callable[..., Any], mp: MixedPrecision,
     out, new_state = (pure if rules is None else rewrite(pure, rules))(state, values)
     nnx.update(nodes, new_state)
     return _cast(out, mp.policy.output_dtype)
+
+
+def _detach_list_captures(nodes: list[Any]) -> list[tuple[Any, Any]]:
+    """Removes nnx.capture's ``__captures__`` from every ``nnx.List`` in ``nodes``;
+    returns ``(list, captures)`` pairs to put back."""
+    list_type = getattr(nnx, "List", None)
+    if list_type is None:
+        return []
+    detached = []
+    for node in (n for n in nodes if isinstance(n, nnx.Module)):
+        for _, module in (nnx.iter_modules(node) if hasattr(nnx, "iter_modules")
+                          else node.iter_modules()):
+            if isinstance(module, list_type) and "__captures__" in vars(module):
+                detached.append((module, vars(module).pop("__captures__")))
+    return detached
 
 
 @functools.cache
