@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jamp.apply.nnx import iter_modules
+
 __all__ = ["GROUPS", "STATISTICS", "Collector", "Row", "Stats", "array_stats",
            "check_groups", "check_statistic", "explain", "linen_activations", "named_leaves",
            "nnx_activations", "ordered_leaves", "skip_line", "table", "tree_stats"]
@@ -892,7 +894,7 @@ def nnx_activations(model: nnx.Module, *args: Any,
     capturing = _Capturing(
         lambda y: jax.tree_util.tree_map(lambda x: keep(x) if floating(x) else None, y), [])
     copy = nnx.clone(model)  # new Variables, the same arrays: nothing of model changes
-    for path, module in list(nnx.iter_modules(copy)):
+    for path, module in list(iter_modules(copy)):
         if _has_call(type(module)) and not isinstance(module, nnx.Dropout):
             object.__setattr__(module, "__class__", _capturing_class(type(module), path))
     token = _CAPTURING.set(capturing)

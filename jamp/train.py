@@ -42,6 +42,7 @@ from flax.training import train_state
 from tqdm import tqdm
 
 from jamp import data, parallel, run_summary, tensor_stats
+from jamp.apply.nnx import iter_modules
 from jamp.booster import assemble_step, gradient_function
 from jamp.checkpoint import Checkpointer
 from jamp.experiment import (
@@ -127,9 +128,7 @@ def layer_outputs(exp: Experiment) -> Callable[..., Any] | None:
             def capture(model, *args, **kwargs):
                 if pipelined:
                     model = nnx.clone(model)
-                    modules = (nnx.iter_modules(model) if hasattr(nnx, "iter_modules")
-                               else model.iter_modules())  # flax < 0.12
-                    for _, module in modules:
+                    for _, module in iter_modules(model):
                         if hasattr(module, "layer_runner"):
                             module.layer_runner = None
                 return tensor_stats.nnx_activations(model, *args, reduce=reduce, **kwargs)

@@ -234,6 +234,20 @@ def _run(module: nnx.Module, call: Callable[..., Any], mp: MixedPrecision,
     return _cast(out, mp.policy.output_dtype)
 
 
+def iter_modules(module: nnx.Module) -> Iterator[tuple[tuple[Any, ...], nnx.Module]]:
+    """``(path, module)`` of ``module`` and every module inside it: ``nnx.iter_modules``
+    (flax 0.12), or the ``Module.iter_modules`` method of older flax.
+
+    Example:
+      >>> from flax import nnx
+      >>> [p for p, _ in iter_modules(nnx.Sequential(nnx.Linear(1, 1, rngs=nnx.Rngs(0))))]
+      [('layers', 0), ('layers',), ()]
+    """
+    if hasattr(nnx, "iter_modules"):
+        return iter(nnx.iter_modules(module))
+    return iter(module.iter_modules())
+
+
 def _detach_list_captures(nodes: list[Any]) -> list[tuple[Any, Any]]:
     """Removes nnx.capture's ``__captures__`` from every ``nnx.List`` in ``nodes``;
     returns ``(list, captures)`` pairs to put back."""
@@ -242,8 +256,7 @@ def _detach_list_captures(nodes: list[Any]) -> list[tuple[Any, Any]]:
         return []
     detached = []
     for node in (n for n in nodes if isinstance(n, nnx.Module)):
-        for _, module in (nnx.iter_modules(node) if hasattr(nnx, "iter_modules")
-                          else node.iter_modules()):
+        for _, module in iter_modules(node):
             if isinstance(module, list_type) and "__captures__" in vars(module):
                 detached.append((module, vars(module).pop("__captures__")))
     return detached
